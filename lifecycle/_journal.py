@@ -1,0 +1,85 @@
+"""Journal: one structured record per transition, and per ignored late event.
+
+The journal is a structlog logger. The library never configures structlog:
+an embedding application decides where records go (JSON lines, console,
+nowhere). The structlog ``event`` key is the lifecycle event itself, so a
+record reads ``{"event": "complete", "request_id": ..., "source": ...}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import structlog
+
+from ._table import Event, FailureReason, TransferState
+
+__all__ = ["LOGGER_NAME", "Journal", "TransitionRecord"]
+
+LOGGER_NAME = "kvguard.lifecycle"
+
+
+class TransitionRecord(NamedTuple):
+    event: Event
+    source: TransferState
+    dest: TransferState
+    at: float  # time.monotonic() when the transition happened
+    reason: FailureReason | None
+    attempt: int
+
+
+# Level per destination state: failures are what operators look for; the
+# rest is high-volume and filtered out by any production configuration.
+_LEVEL: dict[TransferState, str] = {
+    TransferState.PENDING: "info",  # a retry: rare and worth seeing
+    TransferState.TRANSFERRING: "debug",
+    TransferState.DONE: "debug",
+    TransferState.FAILED: "warning",
+}
+
+
+class Journal:
+    """Where transition records go. Share one per scheduler; it is stateless."""
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, logger: Any = None) -> None:
+        # A structlog lazy proxy: it honours whatever configuration the
+        # application installs later, including after this object exists.
+        self._logger: Any = logger if logger is not None else structlog.get_logger(LOGGER_NAME)
+
+    def transition(self, request_id: str, rec: TransitionRecord) -> None:
+        getattr(self._logger, _LEVEL[rec.dest])(
+            rec.event.value,
+            request_id=request_id,
+            source=rec.source.name,
+            dest=rec.dest.name,
+            reason=rec.reason.name if rec.reason is not None else None,
+            attempt=rec.attempt,
+            ts=time.time(),
+        )
+
+    def ignored(
+        self,
+        request_id: str,
+        event: Event,
+        state: TransferState,
+        attempt: int,
+        reason: FailureReason | None,
+    ) -> None:
+        # A late completion or a duplicate failure on a terminal request: a
+        # normal race, not an error, but worth a record for post-mortems.
+        self._logger.debug(
+            event.value,
+            request_id=request_id,
+            source=state.name,
+            dest=state.name,
+            reason=reason.name if reason is not None else None,
+            attempt=attempt,
+            ignored=True,
+            ts=time.time(),
+        )
+
+
+DEFAULT_JOURNAL = Journal()
