@@ -69,9 +69,11 @@ class CompletionGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # fail() is a no-op on a terminal request, so no check is needed and
-        # no race with a watchdog can make this a second terminal transition.
-        self.lifecycle.fail(exit_reason(exc), exc)
+        # fail() is a no-op on a terminal request, so a watchdog racing us
+        # cannot make this a second terminal transition; the check only keeps
+        # the normal exit of a finished worker out of the journal.
+        if not self.lifecycle.is_terminal:
+            self.lifecycle.fail(exit_reason(exc), exc)
         # Returning None lets the exception propagate unchanged.
 
     async def __aenter__(self) -> RequestLifecycle:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import structlog
 
 from lifecycle import render_markdown
 
@@ -35,6 +38,45 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .run import RunConfig, run
+
+    # The CLI is an application, so it may configure structlog (the library
+    # never does): transition records stay out of the terminal by default.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelName(args.log_level.upper())
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    cfg = RunConfig(
+        requests=args.requests,
+        backend=args.backend,
+        seed=args.seed,
+        deadline_s=args.deadline,
+        workers=args.workers,
+        fault_rate=args.fault_rate,
+        kill_decode_after=args.kill_decode_after,
+        freeze_decode_after=args.freeze_decode_after,
+        layers=args.layers,
+        blocks=args.blocks,
+        block_bytes=args.block_bytes,
+        blocks_per_request=args.blocks_per_request,
+        max_attempts=args.max_attempts,
+        json_path=args.json,
+        progress=not args.no_progress,
+    )
+    try:
+        summary = run(cfg)
+    except ValueError as exc:
+        print(f"kvguard run: {exc}", file=sys.stderr)
+        return 2
+    broken = summary.ok()
+    for line in broken:
+        print(f"kvguard run: {line}", file=sys.stderr)
+    return 1 if broken else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +85,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
     p.add_argument("--output", type=Path, default=DIAGRAM_PATH)
     p.set_defaults(func=_cmd_diagram)
+
+    p = sub.add_parser(
+        "run",
+        help="push N requests prefill -> decode through the scheduler and verify them",
+        description="The main job: a decode process on real Mooncake (loopback, "
+        "P2PHANDSHAKE, no server), N requests through the scheduler, every DONE "
+        "request verified byte for byte. Exit 0 iff every request ended terminal, "
+        "integrity held and nothing was released before quiesce.",
+    )
+    p.add_argument("--requests", type=int, default=200, metavar="N")
+    p.add_argument("--backend", choices=("mooncake", "local"), default="mooncake")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--deadline", type=float, default=5.0, metavar="SECONDS", help="per request")
+    p.add_argument("--workers", type=int, default=4, metavar="W")
+    p.add_argument("--fault-rate", type=float, default=0.0, metavar="P")
+    p.add_argument("--kill-decode-after", type=int, default=None, metavar="K")
+    p.add_argument("--freeze-decode-after", type=int, default=None, metavar="K")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=1024, help="blocks per side")
+    p.add_argument("--block-bytes", type=int, default=8192)
+    p.add_argument("--blocks-per-request", type=int, default=16)
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--log-level",
+        default="error",
+        choices=("debug", "info", "warning", "error"),
+        help="structlog level on stderr (transitions are debug/info/warning)",
+    )
+    p.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -14,15 +14,35 @@ from .errors import (
     PeerUnreachable,
     RegistrationError,
     RemoteRangeRejected,
+    TransferCancelled,
     TransferError,
     TransferTimeout,
 )
+from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
+from .layout import KVCache, KVLayout
+from .local import LocalBackend
+from .plan import (
+    DEFAULT_MAX_BATCH_ENTRIES,
+    MAX_BATCH_ENTRIES_LIMIT,
+    build_plan,
+    plan_entries_naive,
+)
 
 __all__ = [
+    "DEFAULT_FAULT_KINDS",
+    "DEFAULT_MAX_BATCH_ENTRIES",
+    "MAX_BATCH_ENTRIES_LIMIT",
     "Backpressure",
     "Batch",
     "EngineError",
+    "Fault",
+    "FaultInjectingBackend",
+    "FaultKind",
+    "FaultPlan",
     "InvalidPlan",
+    "KVCache",
+    "KVLayout",
+    "LocalBackend",
     "PeerInfo",
     "PeerLost",
     "PeerUnreachable",
@@ -30,8 +50,11 @@ __all__ = [
     "RegistrationError",
     "RemoteRangeRejected",
     "TransferBackend",
+    "TransferCancelled",
     "TransferError",
     "TransferOp",
     "TransferPlan",
     "TransferTimeout",
+    "build_plan",
+    "plan_entries_naive",
 ]

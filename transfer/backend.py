@@ -17,10 +17,14 @@ import abc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from .errors import TransferError, TransferTimeout
+
+if TYPE_CHECKING:  # layout.py imports this module
+    from .layout import KVLayout
 
 __all__ = ["Batch", "PeerInfo", "Region", "TransferBackend", "TransferOp", "TransferPlan"]
 
@@ -48,12 +52,12 @@ class PeerInfo:
 
     ``session_id`` is the engine's address of the peer (``"ip:port"`` for
     Mooncake in P2PHANDSHAKE mode); ``regions`` are the only ranges a plan may
-    target; ``layout`` describes the peer's KV cache (a ``transfer.KVLayout``).
+    target; ``layout`` describes the peer's KV cache.
     """
 
     session_id: str
     regions: tuple[Region, ...]
-    layout: object  # transfer.layout.KVLayout; typed loosely to avoid an import cycle
+    layout: KVLayout  # the peer's cache geometry; plans check compatibility against it
     block_base: tuple[int, ...] = ()  # base address of each layer/K-V buffer, layout order
 
 
@@ -84,20 +88,30 @@ class TransferPlan:
         return sum(len(b.lengths) for b in self.batches)
 
 
-QuiesceCallback = Callable[["TransferOp"], object]
+OpCallback = Callable[["TransferOp"], object]
 
 
 class TransferOp:
     """One submitted transfer. Created by a backend; completed by it alone."""
 
-    __slots__ = ("_cancelled", "_error", "_lock", "_q_callbacks", "_quiesced", "_resolved", "plan")
+    __slots__ = (
+        "_cancelled",
+        "_error",
+        "_lock",
+        "_q_callbacks",
+        "_quiesced",
+        "_r_callbacks",
+        "_resolved",
+        "plan",
+    )
 
     plan: TransferPlan
     _lock: threading.Lock
     _resolved: threading.Event  # set once; _error is final from then on
     _error: TransferError | None  # None after success
+    _r_callbacks: list[OpCallback] | None  # None once resolved
     _quiesced: threading.Event  # set once every engine call on the plan has returned
-    _q_callbacks: list[QuiesceCallback] | None  # None once quiesced
+    _q_callbacks: list[OpCallback] | None  # None once quiesced
     _cancelled: bool  # checked by the backend between batches
 
     def __init__(self, plan: TransferPlan) -> None:
@@ -105,6 +119,7 @@ class TransferOp:
         self._lock = threading.Lock()
         self._resolved = threading.Event()
         self._error = None
+        self._r_callbacks = []
         self._quiesced = threading.Event()
         self._q_callbacks = []
         self._cancelled = False
@@ -140,7 +155,15 @@ class TransferOp:
     def wait_quiesced(self, timeout: float | None = None) -> bool:
         return self._quiesced.wait(timeout)
 
-    def add_quiesce_callback(self, fn: QuiesceCallback) -> None:
+    def add_done_callback(self, fn: OpCallback) -> None:
+        """Call ``fn(op)`` once, when the op has a result (at once if it has)."""
+        with self._lock:
+            if self._r_callbacks is not None:
+                self._r_callbacks.append(fn)
+                return
+        fn(self)
+
+    def add_quiesce_callback(self, fn: OpCallback) -> None:
         """Call ``fn(op)`` once, when the op is quiesced (at once if it is)."""
         with self._lock:
             if self._q_callbacks is not None:
@@ -160,10 +183,12 @@ class TransferOp:
 
     def _resolve(self, error: TransferError | None) -> None:
         with self._lock:
-            if self._resolved.is_set():
+            if self._r_callbacks is None:
                 return  # first outcome wins
+            callbacks, self._r_callbacks = self._r_callbacks, None
             self._error = error
             self._resolved.set()
+        _run_callbacks(callbacks, self, "done")
 
     def _quiesce(self) -> None:
         with self._lock:
@@ -171,11 +196,16 @@ class TransferOp:
                 return
             callbacks, self._q_callbacks = self._q_callbacks, None
             self._quiesced.set()
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:
-                _log.exception("quiesce_callback_failed", peer=self.plan.peer)
+        _run_callbacks(callbacks, self, "quiesce")
+
+
+def _run_callbacks(callbacks: list[OpCallback], op: TransferOp, kind: str) -> None:
+    # One raising callback must not rob the others of their exactly-once call.
+    for fn in callbacks:
+        try:
+            fn(op)
+        except Exception:
+            _log.exception(f"{kind}_callback_failed", peer=op.plan.peer)
 
 
 class TransferBackend(abc.ABC):

@@ -13,13 +13,16 @@ from typing import ClassVar
 from lifecycle import FailureReason
 
 __all__ = [
+    "BackendClosed",
     "Backpressure",
     "EngineError",
     "InvalidPlan",
     "PeerLost",
+    "PeerProtocolError",
     "PeerUnreachable",
     "RegistrationError",
     "RemoteRangeRejected",
+    "TransferCancelled",
     "TransferError",
     "TransferTimeout",
 ]
@@ -61,6 +64,12 @@ class PeerLost(TransferError):
     reason = FailureReason.PEER_LOST
 
 
+class TransferCancelled(TransferError):
+    """The caller cancelled the op; the backend stopped between batches."""
+
+    reason = FailureReason.ABORTED
+
+
 class TransferTimeout(TransferError):
     """The transfer did not finish before its deadline.
 
@@ -83,3 +92,15 @@ class InvalidPlan(TransferError, ValueError):
 
 class RemoteRangeRejected(InvalidPlan):
     """A destination range lies outside the regions the peer advertised."""
+
+
+class BackendClosed(TransferError):
+    """The backend was closed before the op could run; nothing was sent."""
+
+    reason = FailureReason.SHUTDOWN
+
+
+class PeerProtocolError(TransferError, ValueError):
+    """A message from (or about) a peer is malformed; nothing was sent."""
+
+    reason = FailureReason.INVALID_REQUEST

@@ -1,0 +1,371 @@
+"""``kvguard run``: the main job, end to end on real Mooncake over loopback.
+
+A decode process owns a torch KV cache registered with Mooncake; this
+process (prefill) fills its own cache with seeded data and pushes N
+requests' blocks through the ``Scheduler``. Destination blocks come from a
+free list and go back to it only through the scheduler's release callback,
+after quiesce, and only after a DONE request's destination blocks were
+verified byte for byte against the source. Faults are injected around the
+real backend; the decode process can be killed or frozen mid-run.
+
+Exit status 0 when every request ended terminal, integrity held and nothing
+was released before quiesce. FAILED requests are a correct outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from lifecycle import FailureReason, TransferState
+from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
+from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
+from transfer.local import LocalBackend
+
+from ._scheduler import Finished, RetryPolicy, Scheduler
+
+__all__ = ["RunConfig", "RunSummary", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    requests: int = 200
+    backend: str = "mooncake"  # "mooncake" | "local"
+    seed: int = 0
+    deadline_s: float = 5.0
+    workers: int = 4
+    fault_rate: float = 0.0
+    kill_decode_after: int | None = None
+    freeze_decode_after: int | None = None
+    layers: int = 8
+    blocks: int = 1024  # per side
+    block_bytes: int = 8192
+    blocks_per_request: int = 16
+    max_attempts: int = 3
+    json_path: Path | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        problems = {
+            "--requests": self.requests >= 1,
+            "--deadline": self.deadline_s > 0,
+            "--workers": self.workers >= 1,
+            "--fault-rate": 0.0 <= self.fault_rate <= 1.0,
+            "--kill-decode-after": self.kill_decode_after is None or self.kill_decode_after >= 0,
+            "--freeze-decode-after": self.freeze_decode_after is None
+            or self.freeze_decode_after >= 0,
+            "--blocks-per-request": 1 <= self.blocks_per_request <= self.blocks,
+        }
+        bad = [name for name, ok in problems.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid value for {', '.join(bad)}")
+        if self.backend not in ("mooncake", "local"):
+            raise ValueError(f"--backend must be mooncake or local, got {self.backend!r}")
+
+
+@dataclass(slots=True)
+class RunSummary:
+    requests: int
+    done: int = 0
+    failed: int = 0
+    non_terminal: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    integrity_errors: int = 0
+    unverified: int = 0  # DONE, but the decode side could not be asked any more
+    released_before_quiesce: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    gbps: float = 0.0
+    wall_s: float = 0.0
+
+    def ok(self) -> list[str]:
+        """What broke; empty when the run upheld every invariant."""
+        broken = []
+        if self.non_terminal:
+            broken.append(f"{self.non_terminal} requests never reached a terminal state")
+        if self.integrity_errors:
+            broken.append(f"{self.integrity_errors} DONE requests have corrupt destination blocks")
+        if self.released_before_quiesce:
+            broken.append(f"{self.released_before_quiesce} releases happened before quiesce")
+        return broken
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "done": self.done,
+            "failed": self.failed,
+            "non_terminal": self.non_terminal,
+            "by_reason": self.by_reason,
+            "integrity_errors": self.integrity_errors,
+            "unverified": self.unverified,
+            "released_before_quiesce": self.released_before_quiesce,
+            "p50_ms": self.p50_ms,
+            "p99_ms": self.p99_ms,
+            "gbps": self.gbps,
+            "wall_s": self.wall_s,
+        }
+
+
+class Decode(Protocol):
+    """The decode side as the run sees it: a peer to write to and to verify."""
+
+    peer: PeerInfo
+
+    def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
+        """True if intact, False if corrupt, None if the decode side cannot answer."""
+
+    def kill(self) -> None: ...
+
+    def freeze(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _LocalDecode:
+    """Decode side inside this process, on the LocalBackend."""
+
+    def __init__(self, backend: LocalBackend, layout: KVLayout) -> None:
+        self._backend = backend
+        self._cache = KVCache(layout)
+        self.peer = backend.register_peer("local-decode", self._cache)
+        self._dead = False
+
+    def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
+        if self._dead:
+            return None
+        return not src.blocks_equal(self._cache, src_blocks, dst_blocks)
+
+    def kill(self) -> None:
+        self._dead = True
+        self._backend.unregister_peer(self.peer.session_id)
+
+    def freeze(self) -> None:
+        raise ValueError("--freeze-decode-after needs --backend mooncake")
+
+    def close(self) -> None:
+        pass
+
+
+class _BlockPool:
+    """Free destination blocks. Blocks come back only via the release callback."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._free = list(range(num_blocks))
+        self._cv = threading.Condition()
+
+    def take(self, n: int, rng: random.Random, timeout: float) -> list[int] | None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self._free) >= n, timeout):
+                return None
+            rng.shuffle(self._free)
+            # Sorting the taken blocks leaves runs that coalescing can merge.
+            taken, self._free = sorted(self._free[:n]), self._free[n:]
+            return taken
+
+    def give(self, blocks: list[int]) -> None:
+        with self._cv:
+            self._free.extend(blocks)
+            self._cv.notify_all()
+
+
+class _Progress:
+    def __init__(self, total: int, out: TextIO, enabled: bool) -> None:
+        self.total, self.out, self.enabled = total, out, enabled
+        self._last = 0.0
+
+    def show(self, done: int, failed: int, live: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self._last < 0.1):
+            return
+        self._last = now
+        width = 30
+        ended = done + failed
+        filled = int(width * ended / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        self.out.write(
+            f"\r[{bar}] {ended}/{self.total}  done {done}  failed {failed}  live {live} "
+        )
+        if force:
+            self.out.write("\n")
+        self.out.flush()
+
+
+RegisterSource = Callable[[KVCache], None]
+
+
+def _make_decode(
+    cfg: RunConfig, layout: KVLayout
+) -> tuple[TransferBackend, Decode, RegisterSource]:
+    if cfg.backend == "local":
+        local = LocalBackend(workers=cfg.workers)
+        return local, _LocalDecode(local, layout), local.register_source
+    # Imported here: the local backend must work where Mooncake cannot load.
+    from ._mooncake_decode import start_mooncake_decode
+
+    mooncake, decode = start_mooncake_decode(cfg, layout)
+    return mooncake, decode, mooncake.register
+
+
+def run(cfg: RunConfig, out: TextIO = sys.stdout) -> RunSummary:
+    """Run the job; always stops the decode process, frozen or not."""
+    cfg.check()
+    layout = KVLayout(cfg.layers, cfg.blocks, cfg.block_bytes)
+    rng = random.Random(cfg.seed)
+    inner, decode, register_source = _make_decode(cfg, layout)
+    try:
+        return _run(cfg, layout, rng, inner, decode, register_source, out)
+    finally:
+        decode.close()
+        inner.close()
+
+
+def _run(
+    cfg: RunConfig,
+    layout: KVLayout,
+    rng: random.Random,
+    inner: TransferBackend,
+    decode: Decode,
+    register_source: RegisterSource,
+    out: TextIO,
+) -> RunSummary:
+    src = KVCache(layout)
+    src.fill_seeded(cfg.seed)
+    register_source(src)
+    backend: TransferBackend = inner
+    faults: FaultInjectingBackend | None = None
+    if cfg.fault_rate > 0:
+        faults = FaultInjectingBackend(
+            inner, FaultPlan(cfg.seed, rate=cfg.fault_rate, kinds=DEFAULT_FAULT_KINDS)
+        )
+        backend = faults
+
+    pool = _BlockPool(cfg.blocks)
+    summary = RunSummary(cfg.requests)
+    lock = threading.Lock()
+
+    def release(request_id: str, fin: Finished) -> None:
+        src_blocks, dst_blocks = blocks_of.pop(request_id)
+        if fin.state is TransferState.DONE:
+            verdict = decode.verify(src, src_blocks, dst_blocks)
+            with lock:
+                if verdict is False:
+                    summary.integrity_errors += 1
+                elif verdict is None:
+                    summary.unverified += 1
+        pool.give(dst_blocks)
+
+    blocks_of: dict[str, tuple[list[int], list[int]]] = {}
+    sched = Scheduler(
+        backend,
+        src,
+        workers=cfg.workers,
+        default_deadline_s=cfg.deadline_s,
+        retry=RetryPolicy(max_attempts=cfg.max_attempts),
+        release=release,
+    )
+    sched.add_peer(decode.peer)
+    progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
+    latencies: list[float] = []
+    reasons: Counter[str] = Counter()
+    done = failed = submitted = 0
+    killed = frozen = False
+    hang_release_at = time.monotonic() + 2 * cfg.deadline_s
+    started = time.monotonic()
+    try:
+        while done + failed < cfg.requests:
+            # Submit while blocks are free; a full pool waits, never forever.
+            while submitted < cfg.requests:
+                dst = pool.take(cfg.blocks_per_request, rng, timeout=0.0 if submitted else 1.0)
+                if dst is None:
+                    break
+                srcb = sorted(rng.sample(range(cfg.blocks), cfg.blocks_per_request))
+                rid = f"req-{submitted:06d}"
+                blocks_of[rid] = (srcb, dst)
+                sched.submit(rid, srcb, dst, peer=decode.peer.session_id)
+                submitted += 1
+            for fin in sched.poll():
+                latencies.append(fin.latency_s)
+                if fin.state is TransferState.DONE:
+                    done += 1
+                else:
+                    failed += 1
+                    reasons[(fin.reason or FailureReason.TRANSFER_ERROR).name] += 1
+            ended = done + failed
+            if cfg.kill_decode_after is not None and not killed and done >= cfg.kill_decode_after:
+                decode.kill()
+                killed = True
+            if (
+                cfg.freeze_decode_after is not None
+                and not frozen
+                and done >= cfg.freeze_decode_after
+            ):
+                decode.freeze()
+                frozen = True
+            if faults is not None and time.monotonic() >= hang_release_at:
+                # An injected hang models an engine call stuck until the
+                # engine's own timeout: let them end, as the engine would.
+                faults.release_hangs()
+                hang_release_at = time.monotonic() + 2 * cfg.deadline_s
+            progress.show(done, failed, submitted - ended)
+            if ended < cfg.requests:
+                pool.take(0, rng, timeout=0.002)  # a short, bounded pause
+        wall = time.monotonic() - started
+        progress.show(done, failed, submitted - done - failed, force=True)
+    finally:
+        if faults is not None:
+            faults.release_hangs()
+        # Kill before draining: a frozen peer would otherwise hold its ops
+        # (and their blocks) until the engine's own timeout.
+        if frozen or killed:
+            decode.kill()
+        sched.drain(timeout=max(10.0, 3 * cfg.deadline_s))
+        metrics = sched.metrics()
+        sched.close()
+
+    summary.done, summary.failed = done, failed
+    summary.non_terminal = cfg.requests - done - failed
+    summary.by_reason = dict(sorted(reasons.items()))
+    summary.released_before_quiesce = metrics.released_before_quiesce + metrics.double_releases
+    summary.wall_s = round(wall, 3)
+    if latencies:
+        latencies.sort()
+        summary.p50_ms = round(1000 * latencies[len(latencies) // 2], 3)
+        summary.p99_ms = round(
+            1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 3
+        )
+    summary.gbps = round(metrics.bytes_done / wall / 1e9, 3) if wall > 0 else 0.0
+    _print_summary(summary, cfg, out)
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+    return summary
+
+
+def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
+    rows = [
+        ("backend", cfg.backend),
+        ("requests", s.requests),
+        ("done", s.done),
+        ("failed", s.failed),
+        *((f"  {reason}", n) for reason, n in s.by_reason.items()),
+        ("non-terminal", s.non_terminal),
+        ("integrity errors", s.integrity_errors),
+        ("unverified (decode gone)", s.unverified),
+        ("released before quiesce", s.released_before_quiesce),
+        ("p50 / p99 latency (ms)", f"{s.p50_ms:.2f} / {s.p99_ms:.2f}"),
+        ("throughput (GB/s)", f"{s.gbps:.3f}"),
+        ("wall (s)", f"{s.wall_s:.2f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        out.write(f"{k:<{width}}  {v}\n")
+    broken = s.ok()
+    out.write("result: " + ("OK" if not broken else "BROKEN: " + "; ".join(broken)) + "\n")
+    out.flush()
