@@ -177,12 +177,16 @@ class RequestLifecycle:
         if ignored:
             self._journal.ignored(self.request_id, event, source, attempt, reason)
             return False
-        self._journal.transition(self.request_id, rec)
-        if done is not None:
-            done.set()
-        if callbacks:
-            for fn in callbacks:
-                _run_callback(fn, self)
+        try:
+            self._journal.transition(self.request_id, rec)
+        finally:
+            # A failing journal (the only I/O here) must not strand waiters
+            # or rob callbacks of their exactly-once call.
+            if done is not None:
+                done.set()
+            if callbacks:
+                for fn in callbacks:
+                    _run_callback(fn, self)
         return True
 
     # -- completion ---------------------------------------------------------

@@ -220,6 +220,9 @@ class Scheduler:
         self._entries: dict[str, _Entry] = {}
         self._peers: dict[str, _Peer] = {}
         self._finished: deque[Finished] = deque()  # drained by poll()
+        # Called with each Finished, in the thread that ended the request
+        # (metrics exporters, journals). Must be quick and must not block.
+        self._observers: list[Callable[[Finished], object]] = []
         self._closed = False
         self._idle = threading.Condition(self._lock)  # notified when _entries empties
 
@@ -260,6 +263,10 @@ class Scheduler:
         ]
         for t in self._threads:
             t.start()
+
+    def add_observer(self, fn: Callable[[Finished], object]) -> None:
+        """Call ``fn(finished)`` for every request that becomes terminal from now on."""
+        self._observers.append(fn)
 
     # -- peers ----------------------------------------------------------------
 
@@ -346,9 +353,18 @@ class Scheduler:
         if p is None:
             raise UnknownPeer(f"unknown peer {peer!r}; call add_peer() first")
         # Validation before any state exists: a bad plan raises InvalidPlan here.
-        plan = build_plan(
-            self.source, p.info, src_blocks, dst_blocks, max_batch_entries=self.max_batch_entries
-        )
+        if _is_empty(src_blocks) and _is_empty(dst_blocks):
+            # Nothing to send (a full prefix-cache hit): DONE at once below.
+            # Never "pending forever because no transfer will report it".
+            plan = TransferPlan(peer, (), 0, 0)
+        else:
+            plan = build_plan(
+                self.source,
+                p.info,
+                src_blocks,
+                dst_blocks,
+                max_batch_entries=self.max_batch_entries,
+            )
         lc = RequestLifecycle(
             request_id, max_attempts=self.retry_policy.max_attempts, journal=self._journal
         )
@@ -364,6 +380,10 @@ class Scheduler:
             p.live.add(request_id)
             alive = p.alive
         lc.add_done_callback(lambda _lc, e=entry: self._on_terminal(e))  # type: ignore[misc]
+        if not plan.batches:
+            lc.start()
+            lc.complete()
+            return lc
         if not alive:
             lc.fail(
                 FailureReason.PEER_LOST,
@@ -533,18 +553,22 @@ class Scheduler:
                 assert lc.reason is not None
                 self._failed[lc.reason.name] += 1
             ops = list(entry.ops)
-        self._finished.append(
-            Finished(
-                lc.request_id,
-                lc.state,
-                lc.reason,
-                lc.error,
-                lc.attempt,
-                entry.peer,
-                entry.plan.nbytes,
-                now - entry.submitted,
-            )
+        finished = Finished(
+            lc.request_id,
+            lc.state,
+            lc.reason,
+            lc.error,
+            lc.attempt,
+            entry.peer,
+            entry.plan.nbytes,
+            now - entry.submitted,
         )
+        self._finished.append(finished)
+        for observe in self._observers:
+            try:
+                observe(finished)
+            except Exception:
+                _log.exception("observer_failed", request_id=lc.request_id)
         if not ops:
             self._maybe_release(entry)
         for op in ops:
@@ -722,6 +746,10 @@ class Scheduler:
 
 
 _LIVE_STATES = (TransferState.PENDING, TransferState.TRANSFERRING)
+
+
+def _is_empty(blocks: object) -> bool:
+    return isinstance(blocks, list | tuple | range) and len(blocks) == 0
 
 
 def _check_deadline(name: str, value: float) -> None:

@@ -158,21 +158,22 @@ class _BlockPool:
     """Free destination blocks. Blocks come back only via the release callback."""
 
     def __init__(self, num_blocks: int) -> None:
-        self._free = list(range(num_blocks))
+        self._free = set(range(num_blocks))
         self._cv = threading.Condition()
 
     def take(self, n: int, rng: random.Random, timeout: float) -> list[int] | None:
         with self._cv:
             if not self._cv.wait_for(lambda: len(self._free) >= n, timeout):
                 return None
-            rng.shuffle(self._free)
-            # Sorting the taken blocks leaves runs that coalescing can merge.
-            taken, self._free = sorted(self._free[:n]), self._free[n:]
+            # Random free blocks, sorted: fragmented like a long-running
+            # decode pool, with the runs that coalescing can merge.
+            taken = sorted(rng.sample(sorted(self._free), n))
+            self._free.difference_update(taken)
             return taken
 
     def give(self, blocks: list[int]) -> None:
         with self._cv:
-            self._free.extend(blocks)
+            self._free.update(blocks)
             self._cv.notify_all()
 
 
@@ -272,21 +273,29 @@ def _run(
         release=release,
     )
     sched.add_peer(decode.peer)
+    progressed = threading.Event()
+    sched.add_observer(lambda _fin: progressed.set())
     progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
     latencies: list[float] = []
     reasons: Counter[str] = Counter()
     done = failed = submitted = 0
+    window = 2 * cfg.workers
     killed = frozen = False
     hang_release_at = time.monotonic() + 2 * cfg.deadline_s
     started = time.monotonic()
     try:
         while done + failed < cfg.requests:
             # Submit while blocks are free; a full pool waits, never forever.
-            while submitted < cfg.requests:
+            # A serving loop hands over a few requests per step, not its whole
+            # backlog: at most `window` live, so latency is transfer time, not
+            # time spent queued behind the backlog.
+            while submitted < cfg.requests and submitted - done - failed < window:
                 dst = pool.take(cfg.blocks_per_request, rng, timeout=0.0 if submitted else 1.0)
                 if dst is None:
                     break
-                srcb = sorted(rng.sample(range(cfg.blocks), cfg.blocks_per_request))
+                # A prefill allocates a sequence's blocks mostly contiguously.
+                first = rng.randrange(cfg.blocks - cfg.blocks_per_request + 1)
+                srcb = list(range(first, first + cfg.blocks_per_request))
                 rid = f"req-{submitted:06d}"
                 blocks_of[rid] = (srcb, dst)
                 sched.submit(rid, srcb, dst, peer=decode.peer.session_id)
@@ -316,7 +325,9 @@ def _run(
                 hang_release_at = time.monotonic() + 2 * cfg.deadline_s
             progress.show(done, failed, submitted - ended)
             if ended < cfg.requests:
-                pool.take(0, rng, timeout=0.002)  # a short, bounded pause
+                # Sleep until something ends (or a short step passes).
+                progressed.wait(0.05)
+                progressed.clear()
         wall = time.monotonic() - started
         progress.show(done, failed, submitted - done - failed, force=True)
     finally:

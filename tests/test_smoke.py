@@ -18,3 +18,16 @@ def test_diagram_is_current() -> None:
 
 def test_terminal_states() -> None:
     assert frozenset({TransferState.DONE, TransferState.FAILED}) == TERMINAL
+
+
+def test_readme_commands_match_ci() -> None:
+    """README opens with the two set-up commands; CI runs exactly the second."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("```sh\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert block[0] == "bash scripts/bootstrap.sh && kvguard run"
+    assert block[1] == "bash scripts/bootstrap.sh && python3 -m pytest -q"
+    ci_lines = [ln for ln in (root / ".ci/run").read_text().splitlines() if ln.strip()]
+    assert ci_lines[-1] == block[1]
