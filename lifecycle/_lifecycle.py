@@ -181,12 +181,15 @@ class RequestLifecycle:
             self._journal.transition(self.request_id, rec)
         finally:
             # A failing journal (the only I/O here) must not strand waiters
-            # or rob callbacks of their exactly-once call.
-            if done is not None:
-                done.set()
-            if callbacks:
-                for fn in callbacks:
-                    _run_callback(fn, self)
+            # or rob callbacks of their exactly-once call. Callbacks first: a
+            # waiter woken by done sees their effects (e.g. poll() has it).
+            try:
+                if callbacks:
+                    for fn in callbacks:
+                        _run_callback(fn, self)
+            finally:
+                if done is not None:
+                    done.set()
         return True
 
     # -- completion ---------------------------------------------------------

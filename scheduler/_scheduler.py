@@ -241,6 +241,7 @@ class Scheduler:
         self._queue: list[tuple[int, int, _Entry]] = []
         self._workers = workers
         self._running = 0  # loop thread only
+        self._pump_scheduled = False  # under _lock: a _pump call is queued on the loop
 
         # Deadlines: (deadline, seq, request id). Lazy deletion: an expired
         # item whose entry is gone, reused (other seq) or terminal is skipped,
@@ -396,7 +397,11 @@ class Scheduler:
                 self._deadline_cv.notify()
         with self._lock:
             heapq.heappush(self._queue, (-priority, entry.seq, entry))
-        self._loop.call_soon_threadsafe(self._pump)
+            # One wake-up of the loop per burst of submits, not per submit:
+            # each call_soon_threadsafe is a write to the loop's self-pipe.
+            schedule, self._pump_scheduled = not self._pump_scheduled, True
+        if schedule:
+            self._loop.call_soon_threadsafe(self._pump)
         return lc
 
     # -- outcomes -------------------------------------------------------------
@@ -535,6 +540,15 @@ class Scheduler:
         with self._lock:
             return [e.lifecycle for e in self._entries.values() if e.terminal_at is None]
 
+    def live_entries(self) -> list[tuple[RequestLifecycle, str, float]]:
+        """(lifecycle, peer, submitted at on time.monotonic()) of each live request."""
+        with self._lock:
+            return [
+                (e.lifecycle, e.peer, e.submitted)
+                for e in self._entries.values()
+                if e.terminal_at is None
+            ]
+
     # -- internals: completion and release -------------------------------------
 
     def _on_terminal(self, entry: _Entry) -> None:
@@ -627,6 +641,8 @@ class Scheduler:
 
     def _pump(self) -> None:
         # Loop thread: start queued workers while slots are free.
+        with self._lock:
+            self._pump_scheduled = False
         while self._running < self._workers:
             with self._lock:
                 if not self._queue:

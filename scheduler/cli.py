@@ -77,6 +77,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    # benchmarks/ ships with the project but is not a runtime dependency of
+    # the library: import it only for this command.
+    from benchmarks.bench import main as bench_main
+
+    return bench_main(json_path=args.json, quick=args.quick)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="structlog level on stderr (transitions are debug/info/warning)",
     )
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "bench",
+        help="measure kvguard against its baselines and check the performance budget",
+    )
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="smoke test: fewer reps, no verdict")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

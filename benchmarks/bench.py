@@ -1,0 +1,119 @@
+"""``kvguard bench``: every figure against its baseline, measured in one run.
+
+Runs the lifecycle, scheduler and real-Mooncake benchmarks, describes the
+machine, prints each budget line of docs/performance.md with its verdict and
+optionally writes the JSON. ``--quick`` is CI's smoke test: fewer repetitions,
+and no verdict is enforced (a loaded CI machine says nothing about speed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from . import lifecycle_bench, mooncake_bench, scheduler_bench
+
+__all__ = ["BUDGET", "Budget", "describe_machine", "main", "run"]
+
+
+class Budget(NamedTuple):
+    key: str
+    limit: float
+    ok: Callable[[float, float], bool]
+    text: str
+
+
+def _le(v: float, lim: float) -> bool:
+    return v <= lim
+
+
+def _ge(v: float, lim: float) -> bool:
+    return v >= lim
+
+
+# The performance budget (DESIGN.md, issue 6). One row per line.
+BUDGET: tuple[Budget, ...] = (
+    Budget("lifecycle_us", 15.0, _le, "<= 15 us per full lifecycle"),
+    Budget("lifecycle_flatness", 1.5, _le, "<= 1.5 from 1k to 1M live requests"),
+    Budget("bytes_per_live_request", 2048, _le, "<= 2048 bytes per live request"),
+    Budget("mooncake_ratio_contiguous", 0.95, _ge, ">= 0.95 of raw engine, 64 MiB"),
+    Budget("mooncake_ratio_fragmented", 1.0, _ge, ">= 1.0 of naive per-block engine path"),
+    Budget("dead_peer_detect_ms", 100.0, _le, "<= 100 ms from SIGKILL to all FAILED"),
+    Budget("frozen_peer_overshoot_ms", 100.0, _le, "<= 100 ms past the deadline"),
+)
+
+KEYS = (
+    "lifecycle_us",
+    "lifecycle_baseline_us",
+    "lifecycle_flatness",
+    "bytes_per_live_request",
+    "scheduler_requests_per_s",
+    "direct_requests_per_s",
+    "mooncake_ratio_contiguous",
+    "mooncake_ratio_fragmented",
+    "dead_peer_detect_ms",
+    "frozen_peer_overshoot_ms",
+)
+
+
+def describe_machine() -> dict[str, Any]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "mooncake": version("mooncake-transfer-engine-non-cuda"),
+        "transitions": version("transitions"),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    print("== lifecycle", flush=True)
+    figures.update(lifecycle_bench.run(quick))
+    print("== scheduler overhead (local backend, tiny transfers)", flush=True)
+    figures.update(scheduler_bench.run(quick))
+    print("== real Mooncake, two processes on loopback", flush=True)
+    figures.update(mooncake_bench.run(quick))
+    missing = [k for k in KEYS if k not in figures]
+    if missing:
+        raise RuntimeError(f"benchmarks did not report {missing}")
+    return {**{k: figures[k] for k in KEYS}, "extra": figures, "machine": describe_machine()}
+
+
+def verdicts(result: dict[str, Any]) -> list[tuple[Budget, float, bool]]:
+    return [(b, float(result[b.key]), b.ok(float(result[b.key]), b.limit)) for b in BUDGET]
+
+
+def main(json_path: Path | None = None, quick: bool = False) -> int:
+    result = run(quick)
+    print("\n== budget" + (" (--quick: reported, not enforced)" if quick else ""))
+    failed = 0
+    for b, value, ok in verdicts(result):
+        failed += not ok
+        print(f"  {b.key:28} {value:>12,.3f}   {b.text:42} {'ok' if ok else 'MISSED'}")
+    ratio = result["scheduler_requests_per_s"] / result["direct_requests_per_s"]
+    print(f"  scheduler / direct requests per second: {ratio:.2f}")
+    print(f"  machine: {json.dumps(result['machine'])}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0 if quick or not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(quick="--quick" in sys.argv[1:]))

@@ -1,0 +1,212 @@
+"""Data path and failure detection on real Mooncake, through the Scheduler.
+
+Two processes on loopback: a ``transfer.receiver`` decode child and this
+process's MooncakeBackend. Every ratio compares runs on the same engine and
+the same registered memory, interleaved (A B A B ...) so that drift on a noisy
+2-core machine hits both sides alike.
+
+* contiguous: one 64 MiB request through the scheduler vs a raw
+  ``batch_transfer_sync_write`` of the very same entries;
+* fragmented: 4096 blocks in short scattered runs, coalesced through the
+  scheduler vs the raw engine sending one entry per block (batches of at most
+  ``RAW_BATCH`` entries, under the engine's ~2048 limit);
+* small: many concurrent small requests through the scheduler;
+* dead peer: SIGKILL the decode process with requests in flight, time until
+  every one of them is FAILED;
+* frozen peer: SIGSTOP it, how far past its deadline each request ends.
+
+    python -m benchmarks.mooncake_bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from lifecycle import TransferState
+from scheduler import Finished, Scheduler
+from transfer import KVCache, KVLayout, TransferPlan, build_plan, plan_entries_naive
+from transfer.mooncake import MooncakeBackend
+from transfer.receiver import ReceiverProcess
+
+__all__ = ["run"]
+
+RAW_BATCH = 1024
+ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT floor: frozen calls return after 5 s
+
+
+def _raw(backend: MooncakeBackend, plan: TransferPlan) -> None:
+    engine = backend.engine
+    for b in plan.batches:
+        rc = engine.batch_transfer_sync_write(plan.peer, list(b.src), list(b.dst), list(b.lengths))
+        if rc != 0:
+            raise RuntimeError(f"raw batch_transfer_sync_write returned {rc}")
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _through(
+    sched: Scheduler, src: Sequence[int], dst: Sequence[int], peer: str
+) -> Callable[[], None]:
+    counter = iter(range(1 << 30))
+
+    def go() -> None:
+        rid = f"bench-{next(counter)}"
+        sched.submit(rid, src, dst, peer=peer)
+        state = sched.wait(rid)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"{rid} ended {state.name}: {sched.get(rid).error!r}")
+
+    return go
+
+
+def _interleaved(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
+    a()  # warm up connections and caches
+    b()
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(_timed(a))
+        tb.append(_timed(b))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _fragmented_blocks(rng: random.Random, num_blocks: int, want: int) -> list[int]:
+    # Runs of 1..16 blocks at random places: what a long-running pool looks like.
+    chosen: set[int] = set()
+    while len(chosen) < want:
+        start = rng.randrange(num_blocks)
+        for blk in range(start, min(num_blocks, start + rng.randint(1, 16))):
+            if len(chosen) < want:
+                chosen.add(blk)
+    return sorted(chosen)
+
+
+def _datapath(quick: bool) -> dict[str, float]:
+    reps = 3 if quick else 7
+    out: dict[str, float] = {}
+    # 8 layers x K/V x 256 blocks x 16 KiB = 64 MiB per side, contiguous.
+    big = KVLayout(num_layers=8, num_blocks=256, block_bytes=16 * 1024)
+    # 4 layers x K/V x 8192 blocks x 2 KiB: 4096 blocks = 64 MiB fragmented.
+    frag = KVLayout(num_layers=4, num_blocks=8192, block_bytes=2 * 1024)
+    for name, layout in (("contiguous", big), ("fragmented", frag)):
+        with ReceiverProcess(layout) as decode, MooncakeBackend() as backend:
+            src = KVCache(layout)
+            src.fill_seeded(1)
+            backend.register(src)
+            sched = Scheduler(backend, src, workers=2, default_deadline_s=60.0)
+            try:
+                sched.add_peer(decode.peer)
+                if name == "contiguous":
+                    blocks = list(range(layout.num_blocks))
+                    naive = build_plan(src, decode.peer, blocks, blocks)
+                else:
+                    blocks = _fragmented_blocks(random.Random(7), layout.num_blocks, 4096)
+                    naive = plan_entries_naive(
+                        src, decode.peer, blocks, blocks, max_batch_entries=RAW_BATCH
+                    )
+                    out["fragmented_entries_naive"] = naive.num_entries
+                    out["fragmented_entries_coalesced"] = build_plan(
+                        src, decode.peer, blocks, blocks
+                    ).num_entries
+                t_sched, t_raw = _interleaved(
+                    _through(sched, blocks, blocks, decode.peer.session_id),
+                    lambda p=naive: _raw(backend, p),  # type: ignore[misc]
+                    reps,
+                )
+                out[f"{name}_gbps"] = round(naive.nbytes / t_sched / 1e9, 3)
+                out[f"{name}_raw_gbps"] = round(naive.nbytes / t_raw / 1e9, 3)
+                out[f"mooncake_ratio_{name}"] = round(t_raw / t_sched, 3)
+                if name == "contiguous":
+                    out.update(_small_requests(sched, decode.peer.session_id, quick))
+            finally:
+                sched.close()
+    return out
+
+
+def _small_requests(sched: Scheduler, peer: str, quick: bool) -> dict[str, float]:
+    n = 200 if quick else 1000
+    t0 = time.perf_counter()
+    for i in range(n):
+        blk = i % 256
+        sched.submit(f"small-{i}", [blk], [blk], peer=peer)
+    if not sched.drain(timeout=120):
+        raise RuntimeError("small requests did not drain")
+    return {"small_requests_per_s": round(n / (time.perf_counter() - t0), 1)}
+
+
+def _failure_detection() -> dict[str, float]:
+    layout = KVLayout(num_layers=8, num_blocks=256, block_bytes=16 * 1024)
+    out: dict[str, float] = {}
+    for mode in ("kill", "freeze"):
+        with (
+            ReceiverProcess(layout) as decode,
+            MooncakeBackend(transfer_timeout_s=ENGINE_TIMEOUT_S) as backend,
+        ):
+            src = KVCache(layout)
+            backend.register(src)
+            deadline = 30.0 if mode == "kill" else 1.0
+            sched = Scheduler(backend, src, workers=8, default_deadline_s=deadline)
+            ended: dict[str, float] = {}
+
+            def observe(fin: Finished, ended: dict[str, float] = ended) -> None:
+                ended.setdefault(fin.request_id, time.monotonic())
+
+            sched.add_observer(observe)
+            try:
+                sched.add_peer(decode.peer)
+                peer = decode.peer.session_id
+                blocks = list(range(layout.num_blocks))
+                # Warm the connection so the first real request is not a handshake.
+                sched.submit("warm", blocks, blocks, peer=peer)
+                sched.wait("warm")
+                ids = [f"{mode}-{i}" for i in range(8)]
+                submitted = time.monotonic()
+                for rid in ids:
+                    sched.submit(rid, blocks, blocks, peer=peer)
+                time.sleep(0.01)  # let them reach the engine
+                t_signal = time.monotonic()
+                if mode == "kill":
+                    decode.kill()
+                else:
+                    decode.freeze()
+                for rid in ids:
+                    sched.wait(rid)
+                late = [rid for rid in ids if rid not in ended]
+                if late:
+                    raise RuntimeError(f"{late} not terminal after wait()")
+                if mode == "kill":
+                    failed = [ended[r] for r in ids if sched.get(r).state is TransferState.FAILED]
+                    out["dead_peer_detect_ms"] = round(1000 * (max(failed) - t_signal), 1)
+                    out["dead_peer_failed"] = len(failed)
+                else:
+                    overshoot = max(ended[r] - (submitted + deadline) for r in ids)
+                    out["frozen_peer_overshoot_ms"] = round(1000 * max(0.0, overshoot), 1)
+                decode.kill()  # lets the frozen engine calls return, so close() drains
+            finally:
+                sched.close(timeout=2 * ENGINE_TIMEOUT_S)
+    return out
+
+
+def run(quick: bool = False) -> dict[str, float]:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    return {**_datapath(quick), **_failure_detection()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    for k, v in run(parser.parse_args().quick).items():
+        print(f"{k:32} {v}")
+
+
+if __name__ == "__main__":
+    main()
