@@ -1,0 +1,231 @@
+"""The journal: one structlog record per transition and per ignored late event;
+the library never configures structlog."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from lifecycle import (
+    LOGGER_NAME,
+    CompletionGuard,
+    FailureReason,
+    InvalidTransition,
+    Journal,
+    RequestLifecycle,
+)
+
+KEYS = {"event", "request_id", "source", "dest", "reason", "attempt", "ts", "log_level"}
+
+
+@pytest.fixture
+def all_levels() -> Iterator[None]:
+    """conftest filters below ERROR; let every level through for capture_logs."""
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(wrapper_class=old)
+
+
+def test_one_record_per_transition(all_levels: None) -> None:
+    t0 = time.time()
+    with capture_logs() as logs:
+        lc = RequestLifecycle("j-1", max_attempts=2)
+        lc.start()
+        lc.retry()
+        lc.start()
+        err = ConnectionResetError("peer")
+        lc.fail(FailureReason.PEER_LOST, err)
+    t1 = time.time()
+    assert [set(r) for r in logs] == [KEYS] * 4
+    assert [
+        (r["event"], r["request_id"], r["source"], r["dest"], r["reason"], r["attempt"])
+        for r in logs
+    ] == [
+        ("start", "j-1", "PENDING", "TRANSFERRING", None, 1),
+        ("retry", "j-1", "TRANSFERRING", "PENDING", None, 1),
+        ("start", "j-1", "PENDING", "TRANSFERRING", None, 2),
+        ("fail", "j-1", "TRANSFERRING", "FAILED", "PEER_LOST", 2),
+    ]
+    ts = [r["ts"] for r in logs]
+    assert ts == sorted(ts)
+    assert t0 <= ts[0] and ts[-1] <= t1
+    assert all("ignored" not in r for r in logs)
+    # Levels: failures stand out, the happy path is debug.
+    assert [r["log_level"] for r in logs] == ["debug", "info", "debug", "warning"]
+    # Records match the history one to one.
+    assert [(r["source"], r["dest"]) for r in logs] == [
+        (h.source.name, h.dest.name) for h in lc.history
+    ]
+
+
+def test_happy_path_records(all_levels: None) -> None:
+    with capture_logs() as logs:
+        lc = RequestLifecycle("j-2")
+        lc.start()
+        lc.complete()
+    assert [(r["event"], r["source"], r["dest"], r["reason"]) for r in logs] == [
+        ("start", "PENDING", "TRANSFERRING", None),
+        ("complete", "TRANSFERRING", "DONE", None),
+    ]
+
+
+def test_ignored_late_events_are_recorded(all_levels: None) -> None:
+    lc = RequestLifecycle("j-3")
+    lc.start()
+    lc.fail(FailureReason.TIMEOUT)
+    with capture_logs() as logs:
+        assert lc.complete() is False
+        assert lc.fail(FailureReason.ABORTED) is False
+        assert lc.start() is False
+        assert lc.retry() is False
+    assert len(logs) == 4
+    assert all(r["ignored"] is True for r in logs)
+    assert all(set(r) == KEYS | {"ignored"} for r in logs)
+    assert [r["event"] for r in logs] == ["complete", "fail", "start", "retry"]
+    assert all(r["source"] == r["dest"] == "FAILED" for r in logs)
+    assert all(r["request_id"] == "j-3" and r["attempt"] == 1 for r in logs)
+    # The late failure's own reason is what was ignored; the first cause stays.
+    assert [r["reason"] for r in logs] == [None, "ABORTED", None, None]
+    assert lc.reason is FailureReason.TIMEOUT
+
+
+def test_guard_exit_of_a_finished_worker_adds_no_record(all_levels: None) -> None:
+    # The guard only fails a request that is still live: a worker that
+    # completed leaves no ignored "fail" record behind on its normal exit.
+    lc = RequestLifecycle("j-4")
+    with capture_logs() as logs, CompletionGuard(lc):
+        lc.start()
+        lc.complete()
+    assert [(r["event"], r.get("ignored", False)) for r in logs] == [
+        ("start", False),
+        ("complete", False),
+    ]
+    # A guarded worker that did not finish is failed, with one record.
+    lc2 = RequestLifecycle("j-4b")
+    with capture_logs() as logs, CompletionGuard(lc2):
+        lc2.start()
+    assert [(r["event"], r["reason"], r.get("ignored", False)) for r in logs] == [
+        ("start", None, False),
+        ("fail", "WORKER_EXITED", False),
+    ]
+
+
+def test_invalid_events_produce_no_record(all_levels: None) -> None:
+    lc = RequestLifecycle("j-5")
+    with capture_logs() as logs:
+        with pytest.raises(InvalidTransition):
+            lc.complete()
+        with pytest.raises(InvalidTransition):
+            lc.retry()
+    assert logs == []
+
+
+def test_default_production_level_keeps_only_failures_and_retries() -> None:
+    # conftest configures an ERROR filter; use INFO, the usual production level.
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with capture_logs() as logs:
+            lc = RequestLifecycle("j-6", max_attempts=2)
+            lc.start()
+            lc.retry()
+            lc.start()
+            lc.complete()
+            lc.fail(FailureReason.TIMEOUT)  # ignored: debug
+            lc2 = RequestLifecycle("j-7")
+            lc2.fail(FailureReason.SHUTDOWN)
+    finally:
+        structlog.configure(wrapper_class=old)
+    assert [(r["request_id"], r["event"], r["log_level"]) for r in logs] == [
+        ("j-6", "retry", "info"),
+        ("j-7", "fail", "warning"),
+    ]
+
+
+class _ListLogger:
+    """A stand-in logger: what a custom Journal receives."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        def log(event: str, **kw: Any) -> None:
+            self.calls.append((level, event, kw))
+
+        return log
+
+
+def test_a_custom_journal_receives_every_record() -> None:
+    sink = _ListLogger()
+    lc = RequestLifecycle("j-8", journal=Journal(sink))
+    lc.start()
+    lc.complete()
+    lc.complete()
+    assert [(lvl, ev, kw.get("ignored", False)) for lvl, ev, kw in sink.calls] == [
+        ("debug", "start", False),
+        ("debug", "complete", False),
+        ("debug", "complete", True),
+    ]
+    assert all(kw["request_id"] == "j-8" for _, _, kw in sink.calls)
+
+
+def test_records_are_json_serialisable(all_levels: None) -> None:
+    with capture_logs() as logs:
+        lc = RequestLifecycle("j-9")
+        lc.fail(FailureReason.INVALID_REQUEST, ValueError("bad plan"))
+        lc.complete()
+    for r in logs:
+        json.dumps(r)  # values are plain strings, ints, floats and None
+
+
+def test_the_logger_name_is_stable() -> None:
+    assert LOGGER_NAME == "kvguard.lifecycle"
+
+
+_PROBE = """
+import json, logging, structlog
+before = (structlog.is_configured(), repr(structlog.get_config()))
+handlers_before = list(logging.getLogger().handlers)
+import lifecycle
+from lifecycle import CompletionGuard, FailureReason, RequestLifecycle
+after_import = (structlog.is_configured(), repr(structlog.get_config()))
+lc = RequestLifecycle("probe")
+with CompletionGuard(lc):
+    lc.start()
+lc.complete()
+after_use = (structlog.is_configured(), repr(structlog.get_config()))
+print(json.dumps({
+    "before": before[0], "after_import": after_import[0], "after_use": after_use[0],
+    "config_unchanged": before[1] == after_import[1] == after_use[1],
+    "handlers_unchanged": handlers_before == list(logging.getLogger().handlers),
+    "state": lc.state.name,
+}))
+"""
+
+
+def test_importing_and_using_lifecycle_does_not_configure_structlog() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {
+        "before": False,
+        "after_import": False,
+        "after_use": False,
+        "config_unchanged": True,
+        "handlers_unchanged": True,
+        "state": "FAILED",
+    }
