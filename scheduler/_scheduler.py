@@ -142,6 +142,7 @@ class _Entry:
         "submitted",
         "terminal_at",
         "wake",
+        "worker",
     )
 
     lifecycle: RequestLifecycle
@@ -156,6 +157,7 @@ class _Entry:
     seq: int  # unique per submit: tells this entry from a later one reusing its id
     terminal_at: float | None
     wake: asyncio.Event | None  # loop thread only: set on terminal transition or op result
+    worker: bool  # a worker task owns it and may still submit an op; no release until False
 
     def __init__(
         self,
@@ -178,6 +180,7 @@ class _Entry:
         self.seq = 0
         self.terminal_at = None
         self.wake = None
+        self.worker = False
 
 
 @dataclass(slots=True)
@@ -590,8 +593,8 @@ class Scheduler:
 
     def _maybe_release(self, entry: _Entry) -> None:
         with self._lock:
-            if entry.terminal_at is None or entry.released:
-                return
+            if entry.terminal_at is None or entry.released or entry.worker:
+                return  # a worker that may still submit an op comes back here when it exits
             if not all(op.quiesced for op in entry.ops):
                 return  # a later quiesce callback comes back here
             entry.released = True
@@ -648,10 +651,23 @@ class Scheduler:
                 if not self._queue:
                     return
                 _, _, entry = heapq.heappop(self._queue)
+                entry.worker = True
             self._running += 1
             task = self._loop.create_task(self._worker(entry))
             self._tasks.add(task)
             task.add_done_callback(self._worker_done)
+            task.add_done_callback(lambda _t, e=entry: self._worker_exited(e))  # type: ignore[misc]
+
+    def _worker_exited(self, entry: _Entry) -> None:
+        # An op the worker submitted as the request went terminal (abort, deadline,
+        # peer loss between backend.submit() and ops.append()) escaped the
+        # _on_terminal snapshot: every op is known only now (I6).
+        with self._lock:
+            entry.worker = False
+            ops = list(entry.ops)
+        for op in ops:
+            op.add_quiesce_callback(lambda _op, e=entry: self._maybe_release(e))  # type: ignore[misc]
+        self._maybe_release(entry)
 
     def _worker_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
