@@ -7,10 +7,12 @@ and fault injection. Imports ``lifecycle`` only.
 
 from .backend import Batch, PeerInfo, Region, TransferBackend, TransferOp, TransferPlan
 from .errors import (
+    BackendClosed,
     Backpressure,
     EngineError,
     InvalidPlan,
     PeerLost,
+    PeerProtocolError,
     PeerUnreachable,
     RegistrationError,
     RemoteRangeRejected,
@@ -21,6 +23,8 @@ from .errors import (
 from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
 from .layout import KVCache, KVLayout
 from .local import LocalBackend
+from .mooncake import MooncakeBackend
+from .peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
 from .plan import (
     DEFAULT_MAX_BATCH_ENTRIES,
     MAX_BATCH_ENTRIES_LIMIT,
@@ -32,6 +36,7 @@ __all__ = [
     "DEFAULT_FAULT_KINDS",
     "DEFAULT_MAX_BATCH_ENTRIES",
     "MAX_BATCH_ENTRIES_LIMIT",
+    "BackendClosed",
     "Backpressure",
     "Batch",
     "EngineError",
@@ -43,8 +48,10 @@ __all__ = [
     "KVCache",
     "KVLayout",
     "LocalBackend",
+    "MooncakeBackend",
     "PeerInfo",
     "PeerLost",
+    "PeerProtocolError",
     "PeerUnreachable",
     "Region",
     "RegistrationError",
@@ -55,6 +62,9 @@ __all__ = [
     "TransferOp",
     "TransferPlan",
     "TransferTimeout",
+    "block_digests",
     "build_plan",
+    "peer_info_from_message",
+    "peer_info_to_message",
     "plan_entries_naive",
 ]

@@ -1,0 +1,513 @@
+"""MooncakeBackend against the real engine: two processes on 127.0.0.1.
+
+The prefill side is a backend in this process; each decode peer is a
+receiver child (``tests/mooncake_helpers.py``) that the tests kill, freeze
+and ask for per-block sha256 digests. No engine call is mocked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+from mooncake_helpers import (
+    PREFILL_TRANSFER_TIMEOUT_S,
+    assert_intact,
+    free_port,
+    http_metadata_server,
+    prefill_backend,
+    receiver,
+    requires_mooncake,
+    wait_until,
+    zero_digest,
+)
+
+from lifecycle import FailureReason
+from transfer import (
+    Batch,
+    EngineError,
+    InvalidPlan,
+    KVCache,
+    KVLayout,
+    PeerLost,
+    PeerUnreachable,
+    RegistrationError,
+    RemoteRangeRejected,
+    TransferCancelled,
+    TransferTimeout,
+    build_plan,
+    plan_entries_naive,
+)
+from transfer.backend import PeerInfo, Region
+from transfer.errors import BackendClosed, PeerProtocolError
+from transfer.mooncake import MooncakeBackend
+from transfer.peer_protocol import peer_info_from_message, peer_info_to_message
+from transfer.receiver import ReceiverProcess
+
+pytestmark = [pytest.mark.mooncake, requires_mooncake]
+
+# 2 layers x K/V = 4 buffers of 16 MiB: 64 MiB a side.
+LAYOUT = KVLayout(num_layers=2, num_blocks=4096, block_bytes=4096)
+# For peers a test kills, freezes or overloads: 2 buffers of 16 MiB.
+ONE_LAYER = KVLayout(num_layers=1, num_blocks=4096, block_bytes=4096)
+WAIT = 30.0  # generous bound on any op that should succeed
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[MooncakeBackend]:
+    with prefill_backend() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def src(backend: MooncakeBackend) -> KVCache:
+    cache = KVCache(LAYOUT)
+    cache.fill_seeded(7)
+    backend.register(cache)
+    return cache  # the backend unregisters it when it closes
+
+
+@pytest.fixture(scope="module")
+def src1(backend: MooncakeBackend) -> KVCache:
+    cache = KVCache(ONE_LAYER)
+    cache.fill_seeded(8)
+    backend.register(cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def shared_peer() -> Iterator[ReceiverProcess]:
+    with receiver(LAYOUT) as proc:
+        yield proc
+
+
+@pytest.fixture
+def peer(shared_peer: ReceiverProcess) -> ReceiverProcess:
+    shared_peer.zero()
+    return shared_peer
+
+
+def run(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess, s: list[int], d: list[int]
+) -> None:
+    plan = build_plan(src, peer.peer, s, d)
+    op = backend.submit(plan)
+    op.result(timeout=WAIT)
+    assert op.wait_quiesced(1.0)
+
+
+# -- integrity -----------------------------------------------------------------
+
+
+def test_single_block_is_byte_exact(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    run(backend, src, peer, [5], [9])
+    assert_intact(src, peer, [5], [9])
+    assert peer.checksums([8, 10]) == [zero_digest(LAYOUT)] * 2  # neighbours untouched
+
+
+def test_many_permuted_blocks_are_byte_exact(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    rng = random.Random(1)
+    s = rng.sample(range(LAYOUT.num_blocks), 512)
+    d = rng.sample(range(LAYOUT.num_blocks), 512)
+    run(backend, src, peer, s, d)
+    assert_intact(src, peer, s, d)
+
+
+def test_fragmented_plan_is_coalesced_and_byte_exact(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    # Runs of 1..16 blocks separated by gaps, shifted by a constant offset.
+    rng = random.Random(2)
+    s: list[int] = []
+    b = 0
+    while b < 2048:
+        n = rng.randint(1, 16)
+        s.extend(range(b, min(b + n, 2048)))
+        b += n + rng.randint(1, 4)
+    d = [x + 2048 for x in s]
+    plan = build_plan(src, peer.peer, s, d)
+    naive = plan_entries_naive(src, peer.peer, s, d)
+    assert naive.num_entries == len(s) * LAYOUT.num_buffers
+    assert plan.num_entries < naive.num_entries / 4
+    op = backend.submit(plan)
+    op.result(timeout=WAIT)
+    assert_intact(src, peer, s, d)
+
+
+def test_64_mib_transfer_is_byte_exact(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    blocks = list(range(LAYOUT.num_blocks))
+    plan = build_plan(src, peer.peer, blocks, blocks)
+    assert plan.nbytes == 64 << 20
+    assert plan.num_entries == LAYOUT.num_buffers  # one entry per contiguous buffer
+    op = backend.submit(plan)
+    op.result(timeout=WAIT)
+    assert op.wait_quiesced(1.0)
+    assert_intact(src, peer, blocks, blocks)
+
+
+def test_thousands_of_blocks_go_in_legal_batches(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    s = list(range(LAYOUT.num_blocks))
+    d = s[::-1]  # nothing coalesces: one entry per block per buffer
+    plan = plan_entries_naive(src, peer.peer, s, d)
+    assert plan.num_entries == 4 * 4096
+    assert len(plan.batches) == 32
+    assert max(len(b.lengths) for b in plan.batches) <= 512
+    op = backend.submit(plan)
+    op.result(timeout=WAIT)
+    assert_intact(src, peer, s, d)
+
+
+def test_concurrent_ops_to_one_peer_are_all_byte_exact(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    # 8 x 1024 entries at once would overflow the engine's ~2048-transfer
+    # queue for the peer and fail every call; the per-peer budget holds back.
+    chunks = [list(range(i * 256, (i + 1) * 256)) for i in range(8)]
+    dst = [[x ^ 1 for x in c] for c in chunks]  # pairwise swapped: coalesces nothing
+    ops = [
+        backend.submit(build_plan(src, peer.peer, c, d)) for c, d in zip(chunks, dst, strict=True)
+    ]
+    for op in ops:
+        op.result(timeout=WAIT)
+    assert_intact(src, peer, [x for c in chunks for x in c], [x for c in dst for x in c])
+
+
+# -- failures become typed errors ---------------------------------------------------
+
+
+def test_oversized_batch_fails_typed_and_other_peers_are_unharmed(
+    backend: MooncakeBackend, src: KVCache, src1: KVCache, peer: ReceiverProcess
+) -> None:
+    # Its own receiver: after this the engine may fail every call to that
+    # peer for minutes (seen: > 80 s), while the peer still answers probes.
+    with receiver(ONE_LAYER) as proc:
+        blocks = list(range(ONE_LAYER.num_blocks))
+        legal = plan_entries_naive(src1, proc.peer, blocks, blocks[::-1])
+        merged = Batch(
+            sum((b.src for b in legal.batches), ()),
+            sum((b.dst for b in legal.batches), ()),
+            sum((b.lengths for b in legal.batches), ()),
+        )
+        assert len(merged.lengths) == 8192
+        giant = dataclasses.replace(legal, batches=(merged,))
+        op = backend.submit(giant)
+        with pytest.raises(EngineError) as info:
+            op.result(timeout=WAIT)
+        assert info.value.retryable and info.value.reason is FailureReason.TRANSFER_ERROR
+        assert "probe: alive" in str(info.value)  # the peer answers: the engine refused
+        assert op.wait_quiesced(1.0)
+        backend.probe(proc.peer.session_id)
+    # The damage stays with that peer: the shared one still gets bytes through.
+    run(backend, src, peer, [0, 1, 2], [3, 4, 5])
+    assert_intact(src, peer, [0, 1, 2], [3, 4, 5])
+
+
+def test_unknown_peer_is_unreachable(
+    backend: MooncakeBackend, src: KVCache, shared_peer: ReceiverProcess
+) -> None:
+    nobody = dataclasses.replace(shared_peer.peer, session_id=f"127.0.0.1:{free_port()}")
+    op = backend.submit(build_plan(src, nobody, [0], [0]))
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable) as info:
+        op.result(timeout=WAIT)
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.reason is FailureReason.PEER_LOST
+    assert info.value.peer == nobody.session_id
+    assert op.quiesced or op.wait_quiesced(1.0)
+    with pytest.raises(PeerUnreachable) as probe:
+        backend.probe(nobody.session_id)
+    assert probe.value.code == -102  # ERR_SOCKET: connection refused
+
+
+def test_killed_peer_surfaces_in_milliseconds(backend: MooncakeBackend, src1: KVCache) -> None:
+    with receiver(ONE_LAYER) as proc:
+        run(backend, src1, proc, [0], [0])  # connected and known alive
+        s = list(range(ONE_LAYER.num_blocks))
+        op = backend.submit(plan_entries_naive(src1, proc.peer, s, s[::-1]))
+        time.sleep(0.05)
+        assert not op.done, "transfer finished before the kill: test is vacuous"
+        killed = time.monotonic()  # SIGKILL and reaping count too
+        proc.kill()
+        with pytest.raises((PeerLost, PeerUnreachable)) as info:
+            op.result(timeout=WAIT)
+        surfaced = time.monotonic() - killed
+        assert info.value.reason is FailureReason.PEER_LOST
+        assert surfaced < 1.0, f"dead peer took {surfaced:.3f}s to surface"
+        assert op.wait_quiesced(1.0)
+        # Known dead: the next plan fails on a probe, not the engine's 1 s backoff.
+        again = backend.submit(build_plan(src1, proc.peer, [1], [1]))
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable):
+            again.result(timeout=WAIT)
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_frozen_peer_caller_deadline_fires_and_quiesce_waits_for_the_engine(
+    backend: MooncakeBackend, src1: KVCache
+) -> None:
+    with receiver(ONE_LAYER) as proc:
+        run(backend, src1, proc, [0], [0])
+        proc.freeze()
+        blocks = list(range(64))
+        op = backend.submit(build_plan(src1, proc.peer, blocks, blocks))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout) as info:
+            op.result(timeout=0.5)
+        assert 0.45 < time.monotonic() - t0 < 1.5  # our deadline, not Mooncake's 30 s
+        assert info.value.reason is FailureReason.TIMEOUT
+        # The engine call is still running: the buffers stay quarantined (I6).
+        assert not op.done and not op.quiesced
+        assert not op.wait_quiesced(1.0)
+        proc.thaw()
+        assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 5)
+        assert op.done
+        if op.error is None:  # thawed before the engine gave up: the bytes landed
+            assert_intact(src1, proc, blocks, blocks)
+
+
+def test_frozen_peer_fails_peer_lost_when_the_engine_gives_up(
+    backend: MooncakeBackend, src1: KVCache
+) -> None:
+    with receiver(ONE_LAYER) as proc:
+        run(backend, src1, proc, [0], [0])
+        proc.freeze()
+        op = backend.submit(build_plan(src1, proc.peer, [1, 2, 3], [1, 2, 3]))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            op.result(timeout=0.5)
+        assert not op.quiesced
+        # MC_TRANSFER_TIMEOUT, then a bounded probe that gets no answer.
+        assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 10)
+        elapsed = time.monotonic() - t0
+        assert PREFILL_TRANSFER_TIMEOUT_S - 0.5 < elapsed < PREFILL_TRANSFER_TIMEOUT_S + 5
+        assert isinstance(op.error, PeerLost), op.error
+        assert op.error.reason is FailureReason.PEER_LOST
+        assert "silent" in str(op.error)
+        with pytest.raises(PeerUnreachable):
+            backend.probe(proc.peer.session_id, timeout=0.2)
+
+
+def test_close_with_a_call_stuck_on_a_frozen_peer_keeps_the_op_unquiesced(
+    src1: KVCache,
+) -> None:
+    with receiver(ONE_LAYER) as proc, prefill_backend(close_timeout_s=0.3) as b:
+        b.register(src1)
+        run(b, src1, proc, [0], [0])
+        proc.freeze()
+        op = b.submit(build_plan(src1, proc.peer, [1], [1]))
+        time.sleep(0.1)  # let the worker enter the engine call
+        t0 = time.monotonic()
+        b.close()  # bounded: it abandons the engine instead of waiting 5 s
+        assert time.monotonic() - t0 < 1.5
+        assert not op.quiesced  # the call may still write into src1's peer
+        # kill() sends SIGCONT before SIGKILL, so the peer may still ack the
+        # write in between; either way the stuck call returns.
+        proc.kill()
+        assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 5)
+        assert op.done
+        assert op.error is None or op.error.reason is FailureReason.PEER_LOST, op.error
+
+
+def test_remote_range_outside_peer_region_is_rejected_before_sending(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    # The peer advertises only the first half of each buffer.
+    half = LAYOUT.buffer_bytes // 2
+    shrunk = dataclasses.replace(
+        peer.peer, regions=tuple(Region(r.base, half) for r in peer.peer.regions)
+    )
+    last = LAYOUT.num_blocks - 1
+    with pytest.raises(RemoteRangeRejected) as info:
+        build_plan(src, shrunk, [0, 1], [0, last])
+    assert info.value.reason is FailureReason.INVALID_REQUEST
+    assert peer.checksums([0, last]) == [zero_digest(LAYOUT)] * 2  # nothing was sent
+
+
+def test_unregistered_source_is_rejected_and_nothing_sent(
+    backend: MooncakeBackend, peer: ReceiverProcess
+) -> None:
+    stray = KVCache(LAYOUT)  # never registered: the engine would read it anyway
+    stray.fill_seeded(3)
+    op = backend.submit(build_plan(stray, peer.peer, [4], [4]))
+    with pytest.raises(InvalidPlan, match="not in memory registered"):
+        op.result(timeout=WAIT)
+    assert peer.checksums([4]) == [zero_digest(LAYOUT)]
+
+
+def test_registration_errors_are_typed(backend: MooncakeBackend) -> None:
+    small = KVLayout(num_layers=1, num_blocks=4, block_bytes=4096)
+    cache = KVCache(small)
+    backend.register(cache)
+    try:
+        with pytest.raises(RegistrationError, match="already registered"):
+            backend.register(cache)
+        # Another cache over the same memory: the engine itself says overlapped.
+        alias = KVCache(small, tensors=cache.tensors)
+        with pytest.raises(RegistrationError) as info:
+            backend.register(alias)
+        assert info.value.code == -7
+        assert f"{cache.buffer_bases()[0]:#x}" in str(info.value)
+        with pytest.raises(RegistrationError, match="not registered"):
+            backend.unregister(alias)
+    finally:
+        backend.unregister(cache)
+    with pytest.raises(RegistrationError, match="not registered"):
+        backend.unregister(cache)
+
+
+def test_cancel_stops_between_batches(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    s = list(range(LAYOUT.num_blocks))
+    plan = plan_entries_naive(src, peer.peer, s, s[::-1])
+    op = backend.submit(plan)
+    op.cancel()
+    with pytest.raises(TransferCancelled) as info:
+        op.result(timeout=WAIT)
+    assert info.value.reason is FailureReason.ABORTED
+    assert op.wait_quiesced(1.0)
+
+
+def test_closed_backend_fails_fast_and_close_is_idempotent(
+    src: KVCache, shared_peer: ReceiverProcess
+) -> None:
+    with prefill_backend() as b:
+        assert b.session_id.startswith("127.0.0.1:")
+        b.probe(shared_peer.peer.session_id)
+        b.close()
+        b.close()
+        assert b.closed and b.engine is None
+        op = b.submit(build_plan(src, shared_peer.peer, [0], [0]))
+        with pytest.raises(BackendClosed) as info:
+            op.result(timeout=1.0)
+        assert info.value.reason is FailureReason.SHUTDOWN
+        assert op.quiesced
+        with pytest.raises(PeerUnreachable):
+            b.probe(shared_peer.peer.session_id)
+
+
+def test_metadata_server_mode_transfers(src: KVCache) -> None:
+    pytest.importorskip("aiohttp")  # the wheel's HTTP metadata server needs it
+    with (
+        http_metadata_server() as url,
+        receiver(LAYOUT, ip=f"127.0.0.1:{free_port()}", metadata=url) as proc,
+        prefill_backend(local_ip=f"127.0.0.1:{free_port()}", metadata=url) as b,
+    ):
+        assert proc.peer.session_id.startswith("127.0.0.1:")
+        cache = KVCache(LAYOUT)
+        cache.fill_seeded(5)
+        b.register(cache)
+        op = b.submit(build_plan(cache, proc.peer, [1, 2, 3], [7, 8, 9]))
+        op.result(timeout=WAIT)
+        assert_intact(cache, proc, [1, 2, 3], [7, 8, 9])
+
+
+# -- the peer message and the receiver's command line --------------------------------
+
+
+def _good_message(peer: PeerInfo) -> dict[str, object]:
+    return dict(json.loads(peer_info_to_message(peer)))
+
+
+BAD_MESSAGES: dict[str, dict[str, object]] = {
+    "session id not a str": {"session_id": 12345},
+    "session id empty": {"session_id": ""},
+    "session id with space": {"session_id": "127.0.0.1 :1"},
+    "session id too long": {"session_id": "h" * 300},
+    "bool as block count": {"layout": {"num_layers": 2, "num_blocks": True, "block_bytes": 4096}},
+    "region not a pair": {"regions": [[1, 2, 3]]},
+    "negative region length": {"regions": [[4096, -1]]},
+    "float address": {"block_base": [1.5, 2, 3, 4]},
+    "too many bases": {"block_base": list(range(1, 70000))},
+    "wrong version": {"kvguard": 2},
+    "bool version": {"kvguard": True},
+    "base outside every region": {"block_base": [4096, 8192, 12288, 16384]},
+    "no regions": {"regions": []},
+    "wrong type": {"type": "command"},
+    "extra key": {"extra": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MESSAGES))
+def test_malformed_peer_message_is_a_typed_error(case: str, shared_peer: ReceiverProcess) -> None:
+    msg = {**_good_message(shared_peer.peer), **BAD_MESSAGES[case]}
+    with pytest.raises(PeerProtocolError) as info:
+        peer_info_from_message(json.dumps(msg))
+    assert info.value.reason is FailureReason.INVALID_REQUEST
+
+
+def test_peer_message_structure_is_checked(shared_peer: ReceiverProcess) -> None:
+    good = _good_message(shared_peer.peer)
+    assert peer_info_from_message(json.dumps(good)) == shared_peer.peer
+    regions = list(good["regions"])  # type: ignore[call-overload]
+    for bad in (
+        "not json",
+        "[]",
+        '{"a": 1, "a": 2}',
+        json.dumps({**good, "regions": [*regions, regions[0]]}),  # overlap
+        json.dumps({k: v for k, v in good.items() if k != "layout"}),
+        '{"x": NaN}',
+        "x" * (1 << 21),
+    ):
+        with pytest.raises(PeerProtocolError):
+            peer_info_from_message(bad)
+
+
+def test_receiver_answers_malformed_commands_with_typed_errors(peer: ReceiverProcess) -> None:
+    for line in (
+        b"not json",
+        b'{"cmd": "rm -rf"}',
+        b'{"cmd": "checksum", "blocks": [4096]}',
+        b'{"cmd": "checksum", "blocks": "all"}',
+        b'{"cmd": "zero", "force": true}',
+        b"\xff\xfe",
+    ):
+        with pytest.raises(PeerProtocolError, match="PeerProtocolError"):
+            peer.send_raw(line)
+    with pytest.raises(PeerProtocolError, match="longer than"):
+        peer.send_raw(b'{"cmd": "ping", "pad": "' + b"x" * (1 << 21) + b'"}')
+    assert peer.request({"cmd": "ping"})["pid"] == peer.pid  # still serving
+
+
+def test_receiver_that_cannot_start_reports_a_typed_error() -> None:
+    proc = ReceiverProcess(ONE_LAYER, metadata="http://127.0.0.1:1/metadata")
+    with pytest.raises(PeerProtocolError, match="RegistrationError"), proc:
+        pytest.fail("a receiver whose engine cannot initialize started")
+    assert not proc.alive
+
+
+def test_receiver_exits_when_its_stdin_closes() -> None:
+    with receiver(KVLayout(1, 4, 64)) as proc:
+        stdin = proc._proc.stdin if proc._proc is not None else None
+        assert stdin is not None
+        stdin.close()
+        assert wait_until(lambda: not proc.alive, 15.0)
+
+
+def test_receiver_is_killed_even_when_frozen() -> None:
+    with receiver(KVLayout(1, 4, 64)) as proc:
+        proc.freeze()
+        assert proc.frozen
+        with pytest.raises(TimeoutError):
+            proc.request({"cmd": "ping"}, timeout=0.3)
+    assert not proc.alive
+
+
+def test_late_reply_is_not_taken_for_the_next_one(peer: ReceiverProcess) -> None:
+    peer.freeze()
+    with pytest.raises(TimeoutError):
+        peer.request({"cmd": "checksum", "blocks": [0]}, timeout=0.2)
+    peer.thaw()
+    assert peer.request({"cmd": "ping"})["pid"] == peer.pid
