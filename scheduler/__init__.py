@@ -3,6 +3,9 @@
 ``Scheduler`` owns request lifecycles: submit, poll (vLLM ``get_finished()``
 shape), blocking and asyncio waits, abort, deadlines, peer liveness, retries,
 release after quiesce and metrics. ``kvguard`` (scheduler.cli) is the CLI.
+Observability (docs/observability.md): ``JsonlJournal`` writes the
+transition journal and ``read_journal`` replays it; ``register_metrics``
+exports Prometheus metrics; ``StuckInspector`` finds overdue live requests.
 """
 
 from ._scheduler import Finished, MetricsSnapshot, ReleaseCallback, RetryPolicy, Scheduler
@@ -14,17 +17,32 @@ from .errors import (
     UnknownPeer,
     UnknownRequest,
 )
+from .journal import JournalError, JsonlJournal, Replay, RequestTrace, read_journal
+from .metrics import MetricsServer, SchedulerCollector, register_metrics, serve_metrics
+from .stuck import StuckInspector, StuckRequest, stuck_requests
 
 __all__ = [
     "DuplicateRequest",
     "Finished",
     "InvalidRequest",
+    "JournalError",
+    "JsonlJournal",
+    "MetricsServer",
     "MetricsSnapshot",
     "ReleaseCallback",
+    "Replay",
+    "RequestTrace",
     "RetryPolicy",
     "Scheduler",
     "SchedulerClosed",
+    "SchedulerCollector",
     "SchedulerError",
+    "StuckInspector",
+    "StuckRequest",
     "UnknownPeer",
     "UnknownRequest",
+    "read_journal",
+    "register_metrics",
+    "serve_metrics",
+    "stuck_requests",
 ]

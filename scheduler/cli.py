@@ -19,8 +19,17 @@ DIAGRAM_PATH = Path(__file__).resolve().parents[1] / "docs" / "state-diagram.md"
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
+    if args.counts is not None or args.format is not None:
+        from .trace import diagram_command
+
+        if args.check:
+            print("kvguard diagram: --check takes no --counts/--format", file=sys.stderr)
+            return 2
+        return diagram_command(
+            args.counts, args.format or "mermaid", args.output, sys.stdout, sys.stderr
+        )
     text = render_markdown()
-    path: Path = args.output
+    path: Path = args.output or DIAGRAM_PATH
     if args.check:
         current = path.read_text() if path.exists() else None
         if current != text:
@@ -65,16 +74,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         json_path=args.json,
         progress=not args.no_progress,
+        journal_path=args.journal,
+        metrics_port=args.metrics_port,
+        stuck_after_s=args.stuck_after,
     )
     try:
         summary = run(cfg)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: journal path, metrics port
         print(f"kvguard run: {exc}", file=sys.stderr)
         return 2
     broken = summary.ok()
     for line in broken:
         print(f"kvguard run: {line}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .trace import trace_command
+
+    return trace_command(args.journal, args.request, args.json, sys.stdout, sys.stderr)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -89,10 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("diagram", help="regenerate docs/state-diagram.md from the table")
+    p = sub.add_parser(
+        "diagram",
+        help="regenerate docs/state-diagram.md from the table, or draw a journal's counts",
+        description="Without --counts/--format: write (or --check) docs/state-diagram.md. "
+        "With them: print the mermaid diagram (or render svg/png with Graphviz `dot` "
+        "to --output), each edge labelled with how often a journal took it.",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    p.add_argument("--output", type=Path, default=DIAGRAM_PATH)
+    p.add_argument(
+        "--output", type=Path, default=None, help=f"default {DIAGRAM_PATH}; stdout with --counts"
+    )
+    p.add_argument(
+        "--counts", type=Path, default=None, metavar="JOURNAL", help="label edges from a journal"
+    )
+    p.add_argument("--format", choices=("mermaid", "svg", "png"), default=None)
     p.set_defaults(func=_cmd_diagram)
+
+    p = sub.add_parser(
+        "trace",
+        help="a request's timeline, or a summary, from a journal (kvguard run --journal)",
+        epilog="Malformed lines are reported on stderr with their line number and "
+        "skipped. Exit status: 0 ok, 1 unknown --request, 2 journal missing or unusable.",
+    )
+    p.add_argument("journal", type=Path, metavar="JOURNAL")
+    p.add_argument("--request", default=None, metavar="ID", help="timeline of this request")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_trace)
 
     p = sub.add_parser(
         "run",
@@ -117,6 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--journal", type=Path, default=None, metavar="PATH", help="JSON line per transition"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus /metrics on 127.0.0.1:PORT while running (0: any free port)",
+    )
+    p.add_argument(
+        "--stuck-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="warn (rate-limited) about requests live for longer than this",
+    )
     p.add_argument(
         "--log-level",
         default="error",

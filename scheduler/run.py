@@ -14,7 +14,9 @@ was released before quiesce. FAILED requests are a correct outcome.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
 import sys
 import threading
@@ -25,12 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+import structlog
+from prometheus_client import CollectorRegistry
+
 from lifecycle import FailureReason, TransferState
 from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
 from transfer.local import LocalBackend
 
 from ._scheduler import Finished, RetryPolicy, Scheduler
+from .journal import JsonlJournal
+from .metrics import MetricsServer, register_metrics, serve_metrics
+from .stuck import StuckInspector
 
 __all__ = ["RunConfig", "RunSummary", "run"]
 
@@ -52,6 +60,9 @@ class RunConfig:
     max_attempts: int = 3
     json_path: Path | None = None
     progress: bool = True
+    journal_path: Path | None = None  # JSON lines, one per transition (scheduler.journal)
+    metrics_port: int | None = None  # serve /metrics on 127.0.0.1 while running; 0: any port
+    stuck_after_s: float | None = None  # warn about requests live for longer than this
 
     def check(self) -> None:
         problems = {
@@ -63,6 +74,8 @@ class RunConfig:
             "--freeze-decode-after": self.freeze_decode_after is None
             or self.freeze_decode_after >= 0,
             "--blocks-per-request": 1 <= self.blocks_per_request <= self.blocks,
+            "--metrics-port": self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+            "--stuck-after": self.stuck_after_s is None or self.stuck_after_s > 0,
         }
         bad = [name for name, ok in problems.items() if not ok]
         if bad:
@@ -181,6 +194,19 @@ class _Progress:
     def __init__(self, total: int, out: TextIO, enabled: bool) -> None:
         self.total, self.out, self.enabled = total, out, enabled
         self._last = 0.0
+        self._drawn = 0  # length of the bar on the current line; 0: none
+
+    def note(self, line: str) -> None:
+        """A line above the bar (a warning): blank the bar, print, redraw later."""
+        if self._drawn:
+            self.out.write("\r" + " " * self._drawn + "\r")
+            self._drawn = 0
+        self.out.write(line + "\n")
+        self.out.flush()
+        self._last = 0.0
+
+    # structlog's logger protocol: it calls the method named after the level.
+    msg = debug = info = warning = error = critical = note
 
     def show(self, done: int, failed: int, live: int, force: bool = False) -> None:
         now = time.monotonic()
@@ -191,12 +217,27 @@ class _Progress:
         ended = done + failed
         filled = int(width * ended / self.total)
         bar = "#" * filled + "." * (width - filled)
-        self.out.write(
-            f"\r[{bar}] {ended}/{self.total}  done {done}  failed {failed}  live {live} "
-        )
+        text = f"[{bar}] {ended}/{self.total}  done {done}  failed {failed}  live {live} "
+        self.out.write("\r" + text)
+        self._drawn = len(text)
         if force:
             self.out.write("\n")
+            self._drawn = 0
         self.out.flush()
+
+    def logger(self) -> Any:
+        """A structlog logger printing above the bar, whatever the app configured."""
+        return structlog.wrap_logger(
+            self,
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+                structlog.dev.ConsoleRenderer(colors=False),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+            context_class=dict,
+            cache_logger_on_first_use=True,
+        )
 
 
 RegisterSource = Callable[[KVCache], None]
@@ -215,17 +256,28 @@ def _make_decode(
     return mooncake, decode, mooncake.register
 
 
-def run(cfg: RunConfig, out: TextIO = sys.stdout) -> RunSummary:
-    """Run the job; always stops the decode process, frozen or not."""
+def run(
+    cfg: RunConfig, out: TextIO = sys.stdout, *, registry: CollectorRegistry | None = None
+) -> RunSummary:
+    """Run the job; always stops the decode process, frozen or not.
+
+    ``registry``: also export the scheduler's metrics there (an embedding
+    test reads the final values from it after the run).
+    """
     cfg.check()
     layout = KVLayout(cfg.layers, cfg.blocks, cfg.block_bytes)
     rng = random.Random(cfg.seed)
-    inner, decode, register_source = _make_decode(cfg, layout)
-    try:
-        return _run(cfg, layout, rng, inner, decode, register_source, out)
-    finally:
-        decode.close()
-        inner.close()
+    with contextlib.ExitStack() as closing:  # closes in reverse: decode, inner, journal
+        # Opened first: a bad journal path fails before any process starts.
+        journal = (
+            closing.enter_context(JsonlJournal(cfg.journal_path))
+            if cfg.journal_path is not None
+            else None
+        )
+        inner, decode, register_source = _make_decode(cfg, layout)
+        closing.callback(inner.close)
+        closing.callback(decode.close)
+        return _run(cfg, layout, rng, inner, decode, register_source, out, journal, registry)
 
 
 def _run(
@@ -236,6 +288,8 @@ def _run(
     decode: Decode,
     register_source: RegisterSource,
     out: TextIO,
+    journal: JsonlJournal | None,
+    registry: CollectorRegistry | None,
 ) -> RunSummary:
     src = KVCache(layout)
     src.fill_seeded(cfg.seed)
@@ -271,11 +325,22 @@ def _run(
         default_deadline_s=cfg.deadline_s,
         retry=RetryPolicy(max_attempts=cfg.max_attempts),
         release=release,
+        journal=journal,
     )
     sched.add_peer(decode.peer)
     progressed = threading.Event()
     sched.add_observer(lambda _fin: progressed.set())
     progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
+    if registry is None and cfg.metrics_port is not None:
+        registry = CollectorRegistry()
+    if registry is not None:
+        register_metrics(sched, registry)
+    server: MetricsServer | None = None
+    stuck = (
+        StuckInspector(sched, cfg.stuck_after_s, logger=progress.logger())
+        if cfg.stuck_after_s is not None
+        else None
+    )
     latencies: list[float] = []
     reasons: Counter[str] = Counter()
     done = failed = submitted = 0
@@ -284,6 +349,9 @@ def _run(
     hang_release_at = time.monotonic() + 2 * cfg.deadline_s
     started = time.monotonic()
     try:
+        if registry is not None and cfg.metrics_port is not None:
+            server = serve_metrics(registry, cfg.metrics_port)
+            progress.note(f"kvguard run: serving metrics at {server.url}")
         while done + failed < cfg.requests:
             # Submit while blocks are free; a full pool waits, never forever.
             # A serving loop hands over a few requests per step, not its whole
@@ -324,6 +392,8 @@ def _run(
                 faults.release_hangs()
                 hang_release_at = time.monotonic() + 2 * cfg.deadline_s
             progress.show(done, failed, submitted - ended)
+            if stuck is not None:
+                stuck.check()  # rate-limits its own warnings
             if ended < cfg.requests:
                 # Sleep until something ends (or a short step passes).
                 progressed.wait(0.05)
@@ -340,6 +410,8 @@ def _run(
         sched.drain(timeout=max(10.0, 3 * cfg.deadline_s))
         metrics = sched.metrics()
         sched.close()
+        if server is not None:
+            server.close()
 
     summary.done, summary.failed = done, failed
     summary.non_terminal = cfg.requests - done - failed
