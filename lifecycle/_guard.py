@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Mapping
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -88,45 +88,207 @@ class CompletionGuard:
         self.__exit__(exc_type, exc, tb)
 
 
+class _Guarded:
+    """Shared by the wrappers below: the guard is armed when the worker is
+    *created*, not when its body first runs, so a coroutine cancelled before
+    its first step or a generator closed before its first ``next()`` still
+    leaves its request terminal (I3)."""
+
+    __slots__ = ("_guard", "_over")
+
+    def __init__(self, lc: RequestLifecycle) -> None:
+        self._guard = CompletionGuard(lc)
+        self._over = False  # the guard has run; later calls pass straight through
+
+    def _exit(self, exc: BaseException | None) -> None:
+        if not self._over:
+            self._over = True
+            self._guard.__exit__(None if exc is None else type(exc), exc, None)
+
+
+class _GuardedCoroutine(_Guarded, Coroutine[Any, Any, Any]):
+    __slots__ = ("_coro",)
+
+    def __init__(self, lc: RequestLifecycle, coro: Coroutine[Any, Any, Any]) -> None:
+        super().__init__(lc)
+        self._coro = coro
+
+    def send(self, value: Any) -> Any:
+        return self._step(self._coro.send, value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        return self._step(lambda _: self._coro.throw(typ, val, tb), None)
+
+    def _step(self, fn: Callable[[Any], Any], value: Any) -> Any:
+        try:
+            return fn(value)
+        except StopIteration:
+            self._exit(None)
+            raise
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+
+    def close(self) -> None:
+        try:
+            self._coro.close()
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+        self._exit(GeneratorExit())
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self  # send/throw/close is the generator protocol
+
+    def __iter__(self) -> _GuardedCoroutine:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+
+class _GuardedGenerator(_Guarded, Generator[Any, Any, Any]):
+    __slots__ = ("_gen",)
+
+    def __init__(self, lc: RequestLifecycle, gen: Generator[Any, Any, Any]) -> None:
+        super().__init__(lc)
+        self._gen = gen
+
+    def send(self, value: Any) -> Any:
+        try:
+            return self._gen.send(value)
+        except StopIteration:
+            self._exit(None)
+            raise
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        try:
+            return self._gen.throw(typ, val, tb)
+        except StopIteration:
+            self._exit(None)
+            raise
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+
+    def close(self) -> None:
+        try:
+            self._gen.close()
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+        self._exit(GeneratorExit())
+
+
+class _GuardedAsyncGenerator(_Guarded, AsyncGenerator[Any, Any]):
+    __slots__ = ("_agen",)
+
+    def __init__(self, lc: RequestLifecycle, agen: AsyncGenerator[Any, Any]) -> None:
+        super().__init__(lc)
+        self._agen = agen
+
+    async def asend(self, value: Any) -> Any:
+        try:
+            return await self._agen.asend(value)
+        except StopAsyncIteration:
+            self._exit(None)
+            raise
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+
+    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        try:
+            return await self._agen.athrow(typ, val, tb)
+        except StopAsyncIteration:
+            self._exit(None)
+            raise
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._agen.aclose()
+        except BaseException as exc:
+            self._exit(exc)
+            raise
+        self._exit(GeneratorExit())
+
+
+# What guarded() wraps each kind of worker function's result in.
+_WRAPPERS: tuple[tuple[Callable[[Any], bool], Callable[[RequestLifecycle, Any], Any]], ...] = (
+    (inspect.iscoroutinefunction, _GuardedCoroutine),
+    (inspect.isasyncgenfunction, _GuardedAsyncGenerator),
+    (inspect.isgeneratorfunction, _GuardedGenerator),
+)
+
+
+def _native(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its body inside the guard, as the same kind of function.
+
+    This layer covers a worker that started: when the event loop or the
+    garbage collector finalizes it, GeneratorExit runs through the guard.
+    The wrapper objects above cover the worker that never started.
+    """
+    if inspect.iscoroutinefunction(fn):
+
+        async def run_coro(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
+            async with CompletionGuard(lc):
+                return await fn(lc, *args, **kwargs)
+
+        return run_coro
+    if inspect.isasyncgenfunction(fn):
+
+        async def run_agen(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
+            async with CompletionGuard(lc):
+                async for item in fn(lc, *args, **kwargs):
+                    yield item
+
+        return run_agen
+
+    def run_gen(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
+        with CompletionGuard(lc):
+            return (yield from fn(lc, *args, **kwargs))
+
+    return run_gen
+
+
+def _factory(fn: Callable[..., Any], wrapper: Callable[[RequestLifecycle, Any], Any]) -> Any:
+    body = _native(fn)
+
+    @functools.wraps(fn)
+    def make(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(lc, body(lc, *args, **kwargs))
+
+    if wrapper is _GuardedCoroutine:
+        # Still a coroutine function to frameworks that ask (it returns an
+        # awaitable coroutine object either way).
+        mark = getattr(inspect, "markcoroutinefunction", None)  # Python >= 3.12
+        if mark is not None:
+            make = mark(make)
+        else:
+            make._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return make
+
+
 def guarded(
     fn: Callable[Concatenate[RequestLifecycle, P], R],
 ) -> Callable[Concatenate[RequestLifecycle, P], R]:
     """Decorator form: ``fn(lifecycle, ...)`` runs inside a CompletionGuard.
 
-    Works for plain functions, coroutine functions, generator functions
-    and async generator functions; the first argument must be the request's
-    RequestLifecycle.
+    Works for plain functions, coroutine functions, generator functions and
+    async generator functions; the first argument must be the request's
+    RequestLifecycle. For the last three the guard covers the worker from
+    the moment it is created: closing or cancelling it before it ever ran
+    still fails its request (ABORTED).
     """
-    if inspect.iscoroutinefunction(fn):
-        afn = cast(Callable[..., Awaitable[Any]], fn)
-
-        @functools.wraps(fn)
-        async def run_async(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
-            async with CompletionGuard(lc):
-                return await afn(lc, *args, **kwargs)
-
-        return cast(Callable[Concatenate[RequestLifecycle, P], R], run_async)
-
-    if inspect.isasyncgenfunction(fn):
-        agen_fn = cast(Callable[..., Any], fn)
-
-        @functools.wraps(fn)
-        async def run_agen(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
-            async with CompletionGuard(lc):
-                async for item in agen_fn(lc, *args, **kwargs):
-                    yield item
-
-        return cast(Callable[Concatenate[RequestLifecycle, P], R], run_agen)
-
-    if inspect.isgeneratorfunction(fn):
-        gen_fn = cast(Callable[..., Any], fn)
-
-        @functools.wraps(fn)
-        def run_gen(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
-            with CompletionGuard(lc):
-                return (yield from gen_fn(lc, *args, **kwargs))
-
-        return cast(Callable[Concatenate[RequestLifecycle, P], R], run_gen)
+    for matches, wrapper in _WRAPPERS:
+        if matches(fn):
+            return cast(Callable[Concatenate[RequestLifecycle, P], R], _factory(fn, wrapper))
 
     @functools.wraps(fn)
     def run(lc: RequestLifecycle, *args: P.args, **kwargs: P.kwargs) -> R:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import queue
@@ -48,6 +49,7 @@ from lifecycle import (
     Journal,
     RequestLifecycle,
     TransferState,
+    exit_reason,
 )
 from transfer import (
     PeerInfo,
@@ -655,26 +657,30 @@ class Scheduler:
             self._running += 1
             task = self._loop.create_task(self._worker(entry))
             self._tasks.add(task)
-            task.add_done_callback(self._worker_done)
-            task.add_done_callback(lambda _t, e=entry: self._worker_exited(e))  # type: ignore[misc]
+            task.add_done_callback(functools.partial(self._worker_done, entry))
 
-    def _worker_exited(self, entry: _Entry) -> None:
-        # An op the worker submitted as the request went terminal (abort, deadline,
-        # peer loss between backend.submit() and ops.append()) escaped the
-        # _on_terminal snapshot: every op is known only now (I6).
+    def _worker_done(self, entry: _Entry, task: asyncio.Task[None]) -> None:
+        # Loop thread, once per worker, however it ended.
+        self._tasks.discard(task)
+        self._running -= 1
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            # The guard already failed the request; this is for the operator.
+            _log.error("worker_crashed", request_id=entry.lifecycle.request_id, exc_info=exc)
+        if not entry.lifecycle.is_terminal:
+            # Only a task cancelled before its first step gets here: its
+            # guard never ran (I3).
+            cause = asyncio.CancelledError() if task.cancelled() else exc
+            entry.lifecycle.fail(exit_reason(cause), cause)
+        # An op the worker submitted as the request went terminal (abort,
+        # deadline, peer loss between backend.submit() and ops.append())
+        # escaped the _on_terminal snapshot: every op is known only now (I6).
         with self._lock:
             entry.worker = False
             ops = list(entry.ops)
         for op in ops:
             op.add_quiesce_callback(lambda _op, e=entry: self._maybe_release(e))  # type: ignore[misc]
         self._maybe_release(entry)
-
-    def _worker_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._running -= 1
-        if not task.cancelled() and task.exception() is not None:
-            # The guard already failed the request; this is for the operator.
-            _log.error("worker_crashed", exc_info=task.exception())
         self._pump()
 
     def _wake(self, entry: _Entry) -> None:
