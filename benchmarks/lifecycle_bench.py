@@ -148,6 +148,8 @@ def _production_logging() -> Iterator[None]:
             structlog.processors.JSONRenderer(),
         ],
         logger_factory=structlog.PrintLoggerFactory(file=devnull),
+        # structlog's own production advice: resolve each logger once.
+        cache_logger_on_first_use=True,
     )
     try:
         yield
