@@ -572,16 +572,7 @@ class Scheduler:
                 assert lc.reason is not None
                 self._failed[lc.reason.name] += 1
             ops = list(entry.ops)
-        finished = Finished(
-            lc.request_id,
-            lc.state,
-            lc.reason,
-            lc.error,
-            lc.attempt,
-            entry.peer,
-            entry.plan.nbytes,
-            now - entry.submitted,
-        )
+        finished = self._outcome(entry)
         self._finished.append(finished)
         for observe in self._observers:
             try:
