@@ -8,7 +8,9 @@ record reads ``{"event": "complete", "request_id": ..., "source": ...}``.
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from typing import Any, NamedTuple
 
 import structlog
@@ -40,25 +42,38 @@ _LEVEL: dict[TransferState, str] = {
 
 
 class Journal:
-    """Where transition records go. Share one per scheduler; it is stateless."""
+    """Where transition records go. Share one per scheduler.
 
-    __slots__ = ("_logger",)
+    A failing sink (full disk, broken pipe, a raising processor) must not
+    break the state machine: the transition has happened, and raising from
+    ``complete()`` or from the watchdog thread would strand the request. So
+    errors are contained here, counted in ``errors``, and the first one is
+    written to stderr, as ``logging.Handler.handleError`` does.
+    """
+
+    __slots__ = ("_logger", "errors")
+
+    errors: int  # records lost to a failing sink; only ever grows
 
     def __init__(self, logger: Any = None) -> None:
         # A structlog lazy proxy: it honours whatever configuration the
         # application installs later, including after this object exists.
         self._logger: Any = logger if logger is not None else structlog.get_logger(LOGGER_NAME)
+        self.errors = 0
 
     def transition(self, request_id: str, rec: TransitionRecord) -> None:
-        getattr(self._logger, _LEVEL[rec.dest])(
-            rec.event.value,
-            request_id=request_id,
-            source=rec.source.name,
-            dest=rec.dest.name,
-            reason=rec.reason.name if rec.reason is not None else None,
-            attempt=rec.attempt,
-            ts=time.time(),
-        )
+        try:
+            getattr(self._logger, _LEVEL[rec.dest])(
+                rec.event.value,
+                request_id=request_id,
+                source=rec.source.name,
+                dest=rec.dest.name,
+                reason=rec.reason.name if rec.reason is not None else None,
+                attempt=rec.attempt,
+                ts=time.time(),
+            )
+        except Exception:
+            self._lost(request_id)
 
     def ignored(
         self,
@@ -70,16 +85,29 @@ class Journal:
     ) -> None:
         # A late completion or a duplicate failure on a terminal request: a
         # normal race, not an error, but worth a record for post-mortems.
-        self._logger.debug(
-            event.value,
-            request_id=request_id,
-            source=state.name,
-            dest=state.name,
-            reason=reason.name if reason is not None else None,
-            attempt=attempt,
-            ignored=True,
-            ts=time.time(),
-        )
+        try:
+            self._logger.debug(
+                event.value,
+                request_id=request_id,
+                source=state.name,
+                dest=state.name,
+                reason=reason.name if reason is not None else None,
+                attempt=attempt,
+                ignored=True,
+                ts=time.time(),
+            )
+        except Exception:
+            self._lost(request_id)
+
+    def _lost(self, request_id: str) -> None:
+        self.errors += 1  # a racy increment can only undercount, never hide all
+        if self.errors == 1:
+            print(
+                f"kvguard: journal record for {request_id!r} lost "
+                f"(further failures are only counted in Journal.errors):",
+                file=sys.stderr,
+            )
+            traceback.print_exc(file=sys.stderr)
 
 
 DEFAULT_JOURNAL = Journal()

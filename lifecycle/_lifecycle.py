@@ -177,19 +177,16 @@ class RequestLifecycle:
         if ignored:
             self._journal.ignored(self.request_id, event, source, attempt, reason)
             return False
+        self._journal.transition(self.request_id, rec)  # contains its own errors
+        # Callbacks first: a waiter woken by done sees their effects (e.g.
+        # the scheduler's poll() already has the request).
         try:
-            self._journal.transition(self.request_id, rec)
+            if callbacks:
+                for fn in callbacks:
+                    _run_callback(fn, self)
         finally:
-            # A failing journal (the only I/O here) must not strand waiters
-            # or rob callbacks of their exactly-once call. Callbacks first: a
-            # waiter woken by done sees their effects (e.g. poll() has it).
-            try:
-                if callbacks:
-                    for fn in callbacks:
-                        _run_callback(fn, self)
-            finally:
-                if done is not None:
-                    done.set()
+            if done is not None:
+                done.set()
         return True
 
     # -- completion ---------------------------------------------------------

@@ -37,7 +37,7 @@ import itertools
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -225,6 +225,9 @@ class Scheduler:
         self._entries: dict[str, _Entry] = {}
         self._peers: dict[str, _Peer] = {}
         self._finished: deque[Finished] = deque()  # drained by poll()
+        # The last RECENT released requests, oldest first: get()/wait()/abort()
+        # still answer for a request that ended before the caller asked.
+        self._recent: OrderedDict[str, RequestLifecycle] = OrderedDict()
         # Called with each Finished, in the thread that ended the request
         # (metrics exporters, journals). Must be quick and must not block.
         self._observers: list[Callable[[Finished], object]] = []
@@ -406,7 +409,10 @@ class Scheduler:
             # each call_soon_threadsafe is a write to the loop's self-pipe.
             schedule, self._pump_scheduled = not self._pump_scheduled, True
         if schedule:
-            self._loop.call_soon_threadsafe(self._pump)
+            # A close() racing us may have closed the loop; it also failed
+            # this request with SHUTDOWN, so there is nothing left to pump.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._pump)
         return lc
 
     # -- outcomes -------------------------------------------------------------
@@ -420,29 +426,33 @@ class Scheduler:
             except IndexError:
                 return out
 
-    def get(self, request_id: str) -> RequestLifecycle:
+    def _find(self, request_id: str) -> tuple[RequestLifecycle, float]:
+        """The request's lifecycle and the latest a waiter may wait for it.
+
+        Released requests are still found among the last ``RECENT`` ones, so
+        ``submit(); wait(id)`` works however fast the request ended.
+        """
         with self._lock:
             entry = self._entries.get(request_id)
-        if entry is None:
+            if entry is not None:
+                return entry.lifecycle, entry.deadline
+            lc = self._recent.get(request_id)
+        if lc is None:
             raise UnknownRequest(f"unknown request {request_id!r}")
-        return entry.lifecycle
+        return lc, 0.0  # terminal: nothing to wait for
+
+    def get(self, request_id: str) -> RequestLifecycle:
+        return self._find(request_id)[0]
 
     def wait(self, request_id: str, timeout: float | None = None) -> TransferState:
         """Block until the request is terminal, ``timeout`` passes, or its
         deadline passes (whichever is first); return its state."""
-        with self._lock:
-            entry = self._entries.get(request_id)
-        if entry is None:
-            raise UnknownRequest(f"unknown request {request_id!r}")
-        return entry.lifecycle.wait(self._bounded(entry, timeout))
+        lc, deadline = self._find(request_id)
+        return lc.wait(_bounded(deadline, timeout))
 
     async def wait_async(self, request_id: str, timeout: float | None = None) -> TransferState:
         """asyncio form of wait(); cancelling the await does not abort the request."""
-        with self._lock:
-            entry = self._entries.get(request_id)
-        if entry is None:
-            raise UnknownRequest(f"unknown request {request_id!r}")
-        lc = entry.lifecycle
+        lc, deadline = self._find(request_id)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
@@ -455,22 +465,12 @@ class Scheduler:
 
         lc.add_done_callback(wake)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(fut), self._bounded(entry, timeout))
+            await asyncio.wait_for(asyncio.shield(fut), _bounded(deadline, timeout))
         return lc.state
-
-    def _bounded(self, entry: _Entry, timeout: float | None) -> float:
-        # The watchdog fails the request at its deadline; the grace covers the
-        # watchdog's own wake-up latency so a waiter returns terminal.
-        left = entry.deadline - time.monotonic() + 0.05
-        return max(0.0, left if timeout is None else min(timeout, left))
 
     def abort(self, request_id: str) -> bool:
         """Fail the request with ABORTED. False if it was already terminal."""
-        with self._lock:
-            entry = self._entries.get(request_id)
-        if entry is None:
-            raise UnknownRequest(f"unknown request {request_id!r}")
-        return entry.lifecycle.fail(FailureReason.ABORTED)
+        return self._find(request_id)[0].fail(FailureReason.ABORTED)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every request is terminal and released; True if so."""
@@ -500,12 +500,22 @@ class Scheduler:
             self._deadline_cv.notify_all()
         self._releases.put(None)
         if not self._loop.is_closed():
+            # Workers still pending (a hung op past drain's timeout, or tasks
+            # just created) are cancelled and awaited, not destroyed pending.
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._cancel_workers(), self._loop).result(1.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
         for t in self._threads:
             t.join(timeout=1.0)
         if not self._threads[0].is_alive() and not self._loop.is_closed():
             self._loop.close()
         return drained
+
+    async def _cancel_workers(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> Scheduler:
         return self
@@ -613,6 +623,10 @@ class Scheduler:
                 rid = entry.lifecycle.request_id
                 if self._entries.get(rid) is entry:
                     del self._entries[rid]
+                self._recent[rid] = entry.lifecycle
+                self._recent.move_to_end(rid)
+                if len(self._recent) > RECENT:
+                    self._recent.popitem(last=False)
                 peer = self._peers.get(entry.peer)
                 if peer is not None:
                     peer.live.discard(rid)
@@ -639,6 +653,8 @@ class Scheduler:
         # Loop thread: start queued workers while slots are free.
         with self._lock:
             self._pump_scheduled = False
+        if self._stop.is_set():
+            return  # closing: queued requests were failed with SHUTDOWN already
         while self._running < self._workers:
             with self._lock:
                 if not self._queue:
@@ -775,6 +791,17 @@ class Scheduler:
 
 
 _LIVE_STATES = (TransferState.PENDING, TransferState.TRANSFERRING)
+
+RECENT = 4096  # released requests remembered for get()/wait()/abort()
+
+# Past its deadline the watchdog fails a request; this covers the watchdog's
+# own wake-up latency, so a waiter returns a terminal state.
+_WAIT_GRACE_S = 0.05
+
+
+def _bounded(deadline: float, timeout: float | None) -> float:
+    left = deadline - time.monotonic() + _WAIT_GRACE_S
+    return max(0.0, left if timeout is None else min(timeout, left))
 
 
 def _is_empty(blocks: object) -> bool:
