@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator, Mapping
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -92,7 +92,8 @@ class _Guarded:
     """Shared by the wrappers below: the guard is armed when the worker is
     *created*, not when its body first runs, so a coroutine cancelled before
     its first step or a generator closed before its first ``next()`` still
-    leaves its request terminal (I3)."""
+    leaves its request terminal (I3). Every outcome of every call into the
+    inner object goes through ``_exit``; the first one decides."""
 
     __slots__ = ("_guard", "_over")
 
@@ -105,23 +106,9 @@ class _Guarded:
             self._over = True
             self._guard.__exit__(None if exc is None else type(exc), exc, None)
 
-
-class _GuardedCoroutine(_Guarded, Coroutine[Any, Any, Any]):
-    __slots__ = ("_coro",)
-
-    def __init__(self, lc: RequestLifecycle, coro: Coroutine[Any, Any, Any]) -> None:
-        super().__init__(lc)
-        self._coro = coro
-
-    def send(self, value: Any) -> Any:
-        return self._step(self._coro.send, value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        return self._step(lambda _: self._coro.throw(typ, val, tb), None)
-
-    def _step(self, fn: Callable[[Any], Any], value: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return fn(value)
+            return fn(*args)
         except StopIteration:
             self._exit(None)
             raise
@@ -129,22 +116,15 @@ class _GuardedCoroutine(_Guarded, Coroutine[Any, Any, Any]):
             self._exit(exc)
             raise
 
-    def close(self) -> None:
+    async def _acall(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         try:
-            self._coro.close()
+            return await fn(*args)
+        except StopAsyncIteration:
+            self._exit(None)
+            raise
         except BaseException as exc:
             self._exit(exc)
             raise
-        self._exit(GeneratorExit())
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self  # send/throw/close is the generator protocol
-
-    def __iter__(self) -> _GuardedCoroutine:
-        return self
-
-    def __next__(self) -> Any:
-        return self.send(None)
 
 
 class _GuardedGenerator(_Guarded, Generator[Any, Any, Any]):
@@ -155,32 +135,23 @@ class _GuardedGenerator(_Guarded, Generator[Any, Any, Any]):
         self._gen = gen
 
     def send(self, value: Any) -> Any:
-        try:
-            return self._gen.send(value)
-        except StopIteration:
-            self._exit(None)
-            raise
-        except BaseException as exc:
-            self._exit(exc)
-            raise
+        return self._call(self._gen.send, value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        try:
-            return self._gen.throw(typ, val, tb)
-        except StopIteration:
-            self._exit(None)
-            raise
-        except BaseException as exc:
-            self._exit(exc)
-            raise
+        return self._call(self._gen.throw, typ, val, tb)
 
     def close(self) -> None:
-        try:
-            self._gen.close()
-        except BaseException as exc:
-            self._exit(exc)
-            raise
-        self._exit(GeneratorExit())
+        self._call(self._gen.close)
+        self._exit(GeneratorExit())  # closed, maybe before it ever ran
+
+
+class _GuardedCoroutine(_GuardedGenerator, Coroutine[Any, Any, Any]):
+    """A coroutine is driven through the same send/throw/close protocol."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self
 
 
 class _GuardedAsyncGenerator(_Guarded, AsyncGenerator[Any, Any]):
@@ -191,32 +162,14 @@ class _GuardedAsyncGenerator(_Guarded, AsyncGenerator[Any, Any]):
         self._agen = agen
 
     async def asend(self, value: Any) -> Any:
-        try:
-            return await self._agen.asend(value)
-        except StopAsyncIteration:
-            self._exit(None)
-            raise
-        except BaseException as exc:
-            self._exit(exc)
-            raise
+        return await self._acall(self._agen.asend, value)
 
     async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        try:
-            return await self._agen.athrow(typ, val, tb)
-        except StopAsyncIteration:
-            self._exit(None)
-            raise
-        except BaseException as exc:
-            self._exit(exc)
-            raise
+        return await self._acall(self._agen.athrow, typ, val, tb)
 
     async def aclose(self) -> None:
-        try:
-            await self._agen.aclose()
-        except BaseException as exc:
-            self._exit(exc)
-            raise
-        self._exit(GeneratorExit())
+        await self._acall(self._agen.aclose)
+        self._exit(GeneratorExit())  # closed, maybe before it ever ran
 
 
 # What guarded() wraps each kind of worker function's result in.
