@@ -36,6 +36,7 @@ module is, so ``transfer`` imports on hosts without the wheel.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import queue
 import threading
@@ -70,6 +71,7 @@ __all__ = [
     "Liveness",
     "MooncakeBackend",
     "code_name",
+    "is_wildcard",
 ]
 
 _log = structlog.get_logger("kvguard.transfer")
@@ -173,6 +175,11 @@ class MooncakeBackend(TransferBackend):
     metadata URL (``http://host:port/metadata``, ``etcd://...``,
     ``redis://...``) the session id is ``local_ip`` as given, so make it
     unique per engine (``"10.0.0.5:17777"``).
+
+    The engine listens on every interface whatever ``local_ip`` says (its RPC
+    and TCP-transport ports bind the wildcard address): ``local_ip`` is the
+    address peers are told to use, not a filter on who may connect
+    (docs/security.md).
     """
 
     name = "mooncake"
@@ -219,6 +226,7 @@ class MooncakeBackend(TransferBackend):
         be queued or running before submit answers Backpressure. Calls to one
         peer carry at most ``max_peer_entries`` entries together: the TCP
         transport queues ~2048 per peer and fails every call that overflows it.
+        A wildcard ``local_ip`` (0.0.0.0, ::) is logged as a warning.
         """
         for name, value, low in (
             ("max_inflight", max_inflight, 1),
@@ -238,6 +246,14 @@ class MooncakeBackend(TransferBackend):
             )
         if not probe_timeout_s > 0 or not close_timeout_s >= 0:
             raise ValueError("probe_timeout_s must be > 0 and close_timeout_s >= 0")
+        if is_wildcard(local_ip):
+            _log.warning(
+                "wildcard_address",
+                local_ip=local_ip,
+                problem="not a reachable session address; the engine's ports accept anyone "
+                "who can reach this host, and the TCP transport has no authentication",
+                fix="give this host's address on a private network (docs/security.md)",
+            )
         self._engine = _make_engine(
             local_ip, metadata, protocol, device_name, force_tcp, transfer_timeout_s
         )
@@ -454,6 +470,8 @@ class MooncakeBackend(TransferBackend):
             finally:
                 # Only here has the last engine call on the plan returned.
                 self._finish(op, error)
+                # An idle worker must not keep its last op (and its plan) alive.
+                del op, error
 
     def _finish(self, op: TransferOp, error: TransferError | None) -> None:
         op._resolve(error)
@@ -635,6 +653,21 @@ def _make_engine(
             code=rc,
         )
     return engine
+
+
+def is_wildcard(local_ip: str) -> bool:
+    """True for an address that means "every interface": 0.0.0.0, ::, [::]:port, ""."""
+    host = local_ip.strip()
+    if host.startswith("["):  # [v6]:port
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:  # v4:port or name:port
+        host = host.partition(":")[0]
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name
+        return False
 
 
 def _location(device: torch.device) -> str:

@@ -41,6 +41,11 @@ MAX_BATCH_ENTRIES_LIMIT = 2048
 # A run: (first source block, first destination block, number of blocks).
 _Run = tuple[int, int, int]
 
+# Addresses are computed in int64 (torch); user-space pointers are < 2**48.
+# A peer advertising buffers at or past 2**63 (or at a float) is refused
+# typed here instead of overflowing, wrapping or truncating below.
+_ADDR_LIMIT = 1 << 63
+
 
 def build_plan(
     src: KVCache,
@@ -116,6 +121,17 @@ def _validate(
             f"its layout has {theirs.num_buffers} buffers",
             peer=sid,
         )
+    bases = peer.block_base
+    top = _ADDR_LIMIT - theirs.buffer_bytes
+    if set(map(type, bases)) != {int} or not (min(bases) > 0 and max(bases) <= top):
+        for i, base in enumerate(bases):  # the rare bad peer: name the buffer
+            if not _is_int(base) or not 0 < base <= top:
+                raise RemoteRangeRejected(
+                    f"peer {sid} advertised buffer {i} at {base!r} "
+                    f"(+{theirs.buffer_bytes} bytes), outside the addresses [1, 2**63) "
+                    "a plan can target",
+                    peer=sid,
+                )
     if len(src_blocks) != len(dst_blocks):
         raise InvalidPlan(
             f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks", peer=sid

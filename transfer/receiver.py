@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import IO, BinaryIO, Final, TextIO
 
+import structlog
+
 from .backend import PeerInfo
 from .errors import PeerProtocolError
 from .layout import KVCache, KVLayout
@@ -149,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metadata", default=P2P_HANDSHAKE)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
+    # This process is an application and its stdout carries the peer
+    # protocol: log records (a wildcard-address warning, say) go to stderr.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         layout = KVLayout(args.layers, args.blocks, args.block_bytes, not args.no_kv_split)
         receiver = Receiver(layout, ip=args.ip, metadata=args.metadata, device=args.device)
