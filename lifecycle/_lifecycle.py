@@ -54,6 +54,7 @@ class RequestLifecycle:
         "_journal",
         "_lock",
         "_reason",
+        "_settled",
         "_state",
         "max_attempts",
         "request_id",
@@ -68,7 +69,8 @@ class RequestLifecycle:
     _error: BaseException | None  # the error given with the winning fail(), if any
     _history: list[TransitionRecord]  # a path through DISPATCH; exactly one terminal record
     _callbacks: list[DoneCallback] | None  # pending done-callbacks; None once they have run
-    _done: threading.Event | None  # created lazily by the first blocking wait()
+    _settled: bool  # terminal AND its done-callbacks have run; wait() returns from here
+    _done: threading.Event | None  # created lazily by a blocking wait(); set once settled
     _journal: Journal
 
     def __init__(
@@ -87,6 +89,7 @@ class RequestLifecycle:
         self._error = None
         self._history = []
         self._callbacks = []
+        self._settled = False
         self._done = None
         self._journal = journal if journal is not None else DEFAULT_JOURNAL
 
@@ -171,20 +174,23 @@ class RequestLifecycle:
                     self._reason = reason
                     self._error = error
                     callbacks, self._callbacks = self._callbacks, None
-                    done = self._done
                 else:
-                    callbacks, done = None, None
+                    callbacks = None
         if ignored:
             self._journal.ignored(self.request_id, event, source, attempt, reason)
             return False
         self._journal.transition(self.request_id, rec)  # contains its own errors
-        # Callbacks first: a waiter woken by done sees their effects (e.g.
-        # the scheduler's poll() already has the request).
+        if callbacks is None:
+            return True
+        # Callbacks first, then waiters: a waiter that returns sees their
+        # effects (e.g. the scheduler's poll() already has the request).
         try:
-            if callbacks:
-                for fn in callbacks:
-                    _run_callback(fn, self)
+            for fn in callbacks:
+                _run_callback(fn, self)
         finally:
+            with self._lock:
+                self._settled = True
+                done = self._done
             if done is not None:
                 done.set()
         return True
@@ -204,11 +210,15 @@ class RequestLifecycle:
         _run_callback(fn, self)
 
     def wait(self, timeout: float | None = None) -> TransferState:
-        """Block until terminal or until ``timeout`` seconds; return the state."""
-        if self._state in TERMINAL:
+        """Block until terminal or until ``timeout`` seconds; return the state.
+
+        Returns only once the done-callbacks of the terminal transition have
+        run, even to a waiter that arrives while they run.
+        """
+        if self._settled:
             return self._state
         with self._lock:
-            if self._state in TERMINAL:
+            if self._settled:
                 return self._state
             if self._done is None:
                 self._done = threading.Event()

@@ -587,3 +587,25 @@ def test_a_failing_journal_does_not_strand_waiters_or_callbacks(
     assert (lc.state, lc.reason) == (S.FAILED, FailureReason.TIMEOUT)
     assert lc.fail(FailureReason.ABORTED) is False
     assert calls == [lc]
+
+
+def test_wait_returns_only_after_the_done_callbacks_ran() -> None:
+    lc = RequestLifecycle("settle")
+    in_callback = threading.Event()
+    effects: list[str] = []
+
+    def slow(_lc: RequestLifecycle) -> None:
+        in_callback.set()
+        time.sleep(0.2)
+        effects.append("callback")
+
+    lc.add_done_callback(slow)
+    ender = threading.Thread(target=lambda: lc.fail(FailureReason.ABORTED), daemon=True)
+    ender.start()
+    assert in_callback.wait(5)
+    # The state is already terminal, but the callback has not finished: a
+    # waiter arriving now must not return before it has.
+    assert lc.is_terminal
+    assert lc.wait(5) is S.FAILED
+    assert effects == ["callback"]
+    ender.join(5)
