@@ -69,14 +69,25 @@ def _through(
     return go
 
 
-def _interleaved(a: Callable[[], None], b: Callable[[], None], reps: int) -> tuple[float, float]:
+def _interleaved(
+    a: Callable[[], None], b: Callable[[], None], reps: int
+) -> tuple[float, float, float]:
+    """Median seconds of ``a`` and of ``b``, and the median of the per-pair
+    ratios b/a: each pair runs back to back (in alternating order), so
+    machine drift cancels within a pair."""
     a()  # warm up connections and caches
     b()
-    ta, tb = [], []
-    for _ in range(reps):
-        ta.append(_timed(a))
-        tb.append(_timed(b))
-    return statistics.median(ta), statistics.median(tb)
+    ta, tb, ratios = [], [], []
+    for i in range(reps):
+        if i % 2:
+            x, y = _timed(b), _timed(a)
+            ta.append(y)
+            tb.append(x)
+        else:
+            ta.append(_timed(a))
+            tb.append(_timed(b))
+        ratios.append(tb[-1] / ta[-1])
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
 
 
 def _fragmented_blocks(rng: random.Random, num_blocks: int, want: int) -> list[int]:
@@ -91,7 +102,7 @@ def _fragmented_blocks(rng: random.Random, num_blocks: int, want: int) -> list[i
 
 
 def _datapath(quick: bool) -> dict[str, float]:
-    reps = 3 if quick else 7
+    reps = 3 if quick else 15
     out: dict[str, float] = {}
     # 8 layers x K/V x 256 blocks x 16 KiB = 64 MiB per side, contiguous.
     big = KVLayout(num_layers=8, num_blocks=256, block_bytes=16 * 1024)
@@ -117,14 +128,14 @@ def _datapath(quick: bool) -> dict[str, float]:
                     out["fragmented_entries_coalesced"] = build_plan(
                         src, decode.peer, blocks, blocks
                     ).num_entries
-                t_sched, t_raw = _interleaved(
+                t_sched, t_raw, ratio = _interleaved(
                     _through(sched, blocks, blocks, decode.peer.session_id),
                     lambda p=naive: _raw(backend, p),  # type: ignore[misc]
                     reps,
                 )
                 out[f"{name}_gbps"] = round(naive.nbytes / t_sched / 1e9, 3)
                 out[f"{name}_raw_gbps"] = round(naive.nbytes / t_raw / 1e9, 3)
-                out[f"mooncake_ratio_{name}"] = round(t_raw / t_sched, 3)
+                out[f"mooncake_ratio_{name}"] = round(ratio, 3)
                 if name == "contiguous":
                     out.update(_small_requests(sched, decode.peer.session_id, quick))
             finally:
