@@ -39,6 +39,8 @@ DEFAULT_MAX_BATCH_ENTRIES = 512
 MAX_BATCH_ENTRIES_LIMIT = 2048
 
 # A run: (first source block, first destination block, number of blocks).
+# Plans with more entries than this compute their addresses with torch.
+_VECTORIZE_ABOVE = 4096
 _Run = tuple[int, int, int]
 
 # Addresses are computed in int64 (torch); user-space pointers are < 2**48.
@@ -224,15 +226,23 @@ def _assemble(
 ) -> TransferPlan:
     """Replay the runs over every buffer (buffer-major) and cut into batches."""
     size = src.layout.block_bytes
-    run_src, run_dst, run_len = (
-        torch.tensor(col, dtype=torch.int64) for col in zip(*runs, strict=True)
-    )
-    # Addresses fit int64 (user-space pointers are < 2**48).
-    src_base = torch.tensor(src.buffer_bases(), dtype=torch.int64).unsqueeze(1)
-    dst_base = torch.tensor(peer.block_base, dtype=torch.int64).unsqueeze(1)
-    src_addr: list[int] = (src_base + run_src * size).flatten().tolist()
-    dst_addr: list[int] = (dst_base + run_dst * size).flatten().tolist()
-    lengths: list[int] = (run_len * size).tolist() * len(src_base)
+    src_bases, dst_bases = src.buffer_bases(), peer.block_base
+    src_addr: list[int]
+    dst_addr: list[int]
+    if len(runs) * len(src_bases) <= _VECTORIZE_ABOVE:
+        # Small plans (the common, contiguous case): plain ints beat the
+        # fixed cost of a handful of torch ops.
+        src_addr = [b + s * size for b in src_bases for s, _, _ in runs]
+        dst_addr = [b + d * size for b in dst_bases for _, d, _ in runs]
+    else:
+        cols = list(zip(*runs, strict=True))
+        run_src, run_dst = (torch.tensor(col, dtype=torch.int64) for col in cols[:2])
+        # Addresses fit int64 (user-space pointers are < 2**48).
+        src_base = torch.tensor(src_bases, dtype=torch.int64).unsqueeze(1)
+        dst_base = torch.tensor(dst_bases, dtype=torch.int64).unsqueeze(1)
+        src_addr = (src_base + run_src * size).flatten().tolist()
+        dst_addr = (dst_base + run_dst * size).flatten().tolist()
+    lengths = [n * size for _, _, n in runs] * len(src_bases)
     m = max_batch_entries
     batches = tuple(
         Batch(tuple(src_addr[i : i + m]), tuple(dst_addr[i : i + m]), tuple(lengths[i : i + m]))
