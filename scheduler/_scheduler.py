@@ -304,21 +304,31 @@ class Scheduler:
         New submits to it fail fast until a probe sees it alive again.
         Returns how many requests this call failed.
         """
+        err = error or PeerLost(f"peer {session_id} was lost", peer=session_id)
+        failed = self._peer_lost(session_id, err)
+        if failed is None:
+            raise UnknownPeer(f"unknown peer {session_id!r}")
+        return failed
+
+    def _peer_lost(self, session_id: str, err: TransferError) -> int | None:
+        # Workers and the prober call this too: a peer removed meanwhile is
+        # not their error (None), unlike an unknown id given to the API.
         with self._lock:
             peer = self._peers.get(session_id)
             if peer is None:
-                raise UnknownPeer(f"unknown peer {session_id!r}")
+                return None
             newly = peer.alive
             peer.alive = False
-            victims = [
-                e for rid in peer.live if not (e := self._entries[rid]).lifecycle.is_terminal
-            ]
+            victims = self._live_to(peer)
             if newly:
                 self._peers_lost += 1
         if newly:
             _log.warning("peer_lost", peer=session_id, live_requests=len(victims))
-        err = error or PeerLost(f"peer {session_id} was lost", peer=session_id)
         return sum(e.lifecycle.fail(FailureReason.PEER_LOST, err) for e in victims)
+
+    def _live_to(self, peer: _Peer) -> list[_Entry]:
+        # Caller holds _lock.
+        return [e for rid in peer.live if not (e := self._entries[rid]).lifecycle.is_terminal]
 
     def mark_peer_alive(self, session_id: str) -> None:
         with self._lock:
@@ -329,6 +339,23 @@ class Scheduler:
             peer.alive = True
         if not was:
             _log.info("peer_alive", peer=session_id)
+
+    def remove_peer(self, session_id: str) -> int:
+        """Forget a peer (a decode instance scaled down or replaced).
+
+        Its live requests fail with PEER_LOST at once; later submits to it
+        raise UnknownPeer and the prober stops probing it. Blocks of its
+        requests are still released only after quiesce. Returns how many
+        requests this call failed.
+        """
+        with self._lock:
+            peer = self._peers.pop(session_id, None)
+            if peer is None:
+                raise UnknownPeer(f"unknown peer {session_id!r}")
+            victims = self._live_to(peer)
+        _log.info("peer_removed", peer=session_id, live_requests=len(victims))
+        err = PeerLost(f"peer {session_id} was removed", peer=session_id)
+        return sum(e.lifecycle.fail(FailureReason.PEER_LOST, err) for e in victims)
 
     # -- submit ---------------------------------------------------------------
 
@@ -726,7 +753,7 @@ class Scheduler:
                     lc.complete()
                     return
                 if err.reason is FailureReason.PEER_LOST:
-                    self.mark_peer_lost(entry.peer, err)
+                    self._peer_lost(entry.peer, err)
                     lc.fail(err.reason, err)
                     return
                 if not (err.retryable and lc.attempt < lc.max_attempts):
@@ -781,13 +808,14 @@ class Scheduler:
                     self.backend.probe(sid)
                 except TransferError as exc:
                     if alive:
-                        self.mark_peer_lost(sid, PeerLost(f"probe failed: {exc}", peer=sid))
+                        self._peer_lost(sid, PeerLost(f"probe failed: {exc}", peer=sid))
                     continue
                 except Exception:
                     _log.exception("probe_crashed", peer=sid)
                     continue
                 if not alive:
-                    self.mark_peer_alive(sid)
+                    with contextlib.suppress(UnknownPeer):  # removed meanwhile
+                        self.mark_peer_alive(sid)
 
 
 _LIVE_STATES = (TransferState.PENDING, TransferState.TRANSFERRING)

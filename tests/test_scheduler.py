@@ -984,3 +984,22 @@ def test_context_manager_closes(make_rig: MakeRig) -> None:
     assert rig.released("r") == 1
     with pytest.raises(SchedulerClosed):
         rig.sched.submit("r2", [0], [0], peer=PEER)
+
+
+def test_remove_peer_fails_its_live_requests_and_forgets_it(make_rig: MakeRig) -> None:
+    rig = make_rig([HANG, HANG])
+    a = rig.submit("ra", [0], [0])
+    b = rig.submit("rb", [1], [1])
+    assert wait_until(lambda: a.state is _S.TRANSFERRING and b.state is _S.TRANSFERRING)
+    assert rig.sched.remove_peer(PEER) == 2
+    assert (a.state, a.reason) == (_S.FAILED, FailureReason.PEER_LOST)
+    assert (b.state, b.reason) == (_S.FAILED, FailureReason.PEER_LOST)
+    with pytest.raises(UnknownPeer, match=PEER):
+        rig.sched.submit("rc", [2], [2], peer=PEER)
+    with pytest.raises(UnknownPeer):
+        rig.sched.remove_peer(PEER)
+    # Quarantine still holds: the hung ops have not returned.
+    assert rig.sched.metrics().quarantined == 2
+    rig.faults.release_hangs()
+    assert rig.sched.drain(WAIT)
+    rig.check_i6()
