@@ -1,4 +1,6 @@
-"""Hypothesis stateful test of the Scheduler over FaultInjectingBackend(LocalBackend).
+"""Hypothesis stateful test of the Scheduler over FaultInjectingBackend(LocalBackend),
+and the same machine over FaultInjectingBackend(MooncakeBackend), the real engine
+with a decode process on loopback (``TestSchedulerMooncake``, marker ``mooncake``).
 
 Hypothesis interleaves submits (some invalid, some duplicates, some empty),
 aborts, peer deaths and returns, hung engine calls and their release, worker
@@ -18,12 +20,15 @@ observer, and released exactly once (I8).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -47,11 +52,15 @@ from transfer import (
     KVCache,
     KVLayout,
     LocalBackend,
+    PeerInfo,
     TransferBackend,
     TransferError,
     TransferOp,
     TransferPlan,
 )
+from transfer.mooncake import MooncakeBackend
+from transfer.peer_protocol import block_digests
+from transfer.receiver import ReceiverProcess
 
 LAYOUT = KVLayout(num_layers=1, num_blocks=32, block_bytes=32)
 PEER = "decode-0"
@@ -165,17 +174,16 @@ SUBMIT_KINDS = [
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    """Over the in-process LocalBackend; MooncakeSchedulerMachine below swaps
+    in the real engine by overriding the three backend hooks."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()  # the release thread and observers write below
-        self.src = KVCache(LAYOUT)
-        self.src.fill_seeded(99)
-        self.dst = KVCache(LAYOUT)
-        self.local = LocalBackend(workers=2)
-        info = self.local.register_peer(PEER, self.dst)
-        self.local.register_source(self.src)
+        self.src, inner, info = self._backend()
+        self.peer = info.session_id
         self.faults_plan = QueuedFaults()
-        self.faults = FaultInjectingBackend(self.local, self.faults_plan)
+        self.faults = FaultInjectingBackend(inner, self.faults_plan)
         self.backend = Recorder(self.faults)
         self.free: set[int] = set(range(LAYOUT.num_blocks))  # destination blocks nobody holds
         self.accepted: list[Req] = []
@@ -188,6 +196,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
         self.info = info
         self._sched: Scheduler | None = None  # built by the initialize rule
+
+    def _backend(self) -> tuple[KVCache, TransferBackend, PeerInfo]:
+        """The source cache, the backend to wrap in faults, the decode peer."""
+        src = KVCache(LAYOUT)
+        src.fill_seeded(99)
+        self.dst = KVCache(LAYOUT)
+        local = LocalBackend(workers=2)
+        local.register_source(src)
+        return src, local, local.register_peer(PEER, self.dst)
+
+    def _intact(self, srcs: list[int], dsts: list[int]) -> bool:
+        return self.src.blocks_equal(self.dst, srcs, dsts) == []
+
+    def _close_backend(self) -> None:
+        self.faults.close()
 
     @property
     def sched(self) -> Scheduler:
@@ -308,7 +331,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if kind == "empty" or len(dsts) < len(picks):
             kind, dsts = "empty", []  # every block is held: a prefix-cache hit still works
         srcs = src_blocks[: len(dsts)]
-        peer = PEER
+        peer = self.peer
         expect: type[Exception] | None = None
         if kind == "src_out_of_range":
             srcs[-1] = LAYOUT.num_blocks + pick % 6
@@ -340,7 +363,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.submitting[rid] = req
         with self.backend.lock:
             for d in set(dsts):
-                self.backend.owner[self.dst.block_addr(0, d)] = req
+                self.backend.owner[self.info.block_base[0] + d * LAYOUT.block_bytes] = req
         try:
             lc = self.sched.submit(
                 rid, srcs, dsts, peer=peer, deadline_s=deadline_s, priority=priority
@@ -399,14 +422,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(event=st.sampled_from(EVENTS))
     def event(self, event: str) -> None:
         if event == "lose_peer":
-            self.faults.lose_peer(PEER)  # probes and transfers now fail
+            self.faults.lose_peer(self.peer)  # probes and transfers now fail
         elif event == "restore_peer":
-            self.faults.restore_peer(PEER)
+            self.faults.restore_peer(self.peer)
             self._await_alive()
         elif event == "mark_peer_lost":
             # A false alarm: what is in flight fails, and the prober revives
             # the peer, which still answers.
-            self.sched.mark_peer_lost(PEER)
+            self.sched.mark_peer_lost(self.peer)
             if not self.faults_lost():
                 self._await_alive()
         elif event == "release_hangs":
@@ -419,7 +442,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def faults_lost(self) -> bool:
         try:
-            self.faults.probe(PEER)
+            self.faults.probe(self.peer)
         except TransferError:
             return True
         return False
@@ -427,7 +450,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _await_alive(self) -> None:
         # The prober (every 0.05 s) must see an answering peer alive again, soon.
         end = time.monotonic() + 2.0
-        while not self.sched.peer_alive(PEER):
+        while not self.sched.peer_alive(self.peer):
             assert time.monotonic() < end, "the prober never revived an answering peer"
             time.sleep(0.005)
 
@@ -504,7 +527,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self._sched is None:
-            self.faults.close()
+            self._close_backend()
             return
         try:
             self.faults_plan.clear()
@@ -538,10 +561,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             for d, req in last.items():
                 if req.lc is not None and req.lc.state is TransferState.DONE:
                     s = req.srcs[req.dsts.index(d)]
-                    assert self.src.blocks_equal(self.dst, [s], [d]) == [], (req.rid, d)
+                    assert self._intact([s], [d]), (req.rid, d)
         finally:
             self.sched.close(timeout=1.0)
-            self.faults.close()
+            self._close_backend()
 
 
 def _holds_id(machine: SchedulerMachine, req: Req) -> bool:
@@ -566,3 +589,61 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestScheduler = SchedulerMachine.TestCase
+
+
+# -- the same machine over the real Mooncake engine ------------------------------------
+#
+# One decode process and one engine serve every example (starting them costs
+# seconds); each example gets its own fault wrapper and scheduler. A fresh
+# engine per example would also leave its registrations behind.
+
+
+class _SharedMooncake:
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.decode = self.stack.enter_context(ReceiverProcess(LAYOUT))
+        self.backend = self.stack.enter_context(MooncakeBackend(transfer_timeout_s=5))
+        self.src = KVCache(LAYOUT)
+        self.src.fill_seeded(99)
+        self.backend.register(self.src)
+
+
+_shared: _SharedMooncake | None = None
+
+
+class MooncakeSchedulerMachine(SchedulerMachine):
+    def _backend(self) -> tuple[KVCache, TransferBackend, PeerInfo]:
+        assert _shared is not None, "the mooncake_shared fixture starts it"
+        return _shared.src, _shared.backend, _shared.decode.peer
+
+    def _intact(self, srcs: list[int], dsts: list[int]) -> bool:
+        assert _shared is not None
+        return _shared.decode.checksums(dsts) == block_digests(self.src, srcs)
+
+    def _close_backend(self) -> None:
+        self.faults.release_hangs()  # the shared engine stays open
+
+
+MooncakeSchedulerMachine.TestCase.settings = settings(
+    max_examples=10,
+    stateful_step_count=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.fixture(scope="module")
+def mooncake_shared() -> Iterator[None]:
+    global _shared
+    _shared = _SharedMooncake()
+    try:
+        yield
+    finally:
+        _shared.stack.close()  # kills and reaps the decode process by pid
+        _shared = None
+
+
+@pytest.mark.mooncake
+@pytest.mark.usefixtures("mooncake_shared")
+class TestSchedulerMooncake(MooncakeSchedulerMachine.TestCase):  # type: ignore[misc,valid-type]
+    pass
