@@ -632,13 +632,18 @@ class Scheduler:
 
     def _release_loop(self) -> None:
         while (entry := self._releases.get()) is not None:
+            rid = entry.lifecycle.request_id
+            # Re-checked right before the callback, independently of how the
+            # entry got here: a violation is a bug somewhere, and it is
+            # counted (and a second release is not performed).
+            with self._lock:
+                if self._entries.get(rid) is not entry:
+                    self._double_releases += 1
+                    continue
+                if not all(op.quiesced for op in entry.ops):
+                    self._released_before_quiesce += 1
             finished = self._outcome(entry)
             if entry.release is not None:
-                # Re-checked right before the callback: an op that is not
-                # quiesced here is a bug somewhere, and it is counted.
-                if not all(op.quiesced for op in entry.ops):
-                    with self._lock:
-                        self._released_before_quiesce += 1
                 try:
                     entry.release(finished.request_id, finished)
                 except Exception:
@@ -647,9 +652,7 @@ class Scheduler:
             # request under the same id would be ambiguous.
             with self._lock:
                 self._released += 1
-                rid = entry.lifecycle.request_id
-                if self._entries.get(rid) is entry:
-                    del self._entries[rid]
+                del self._entries[rid]
                 self._recent[rid] = entry.lifecycle
                 self._recent.move_to_end(rid)
                 if len(self._recent) > RECENT:

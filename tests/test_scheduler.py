@@ -1003,3 +1003,39 @@ def test_remove_peer_fails_its_live_requests_and_forgets_it(make_rig: MakeRig) -
     rig.faults.release_hangs()
     assert rig.sched.drain(WAIT)
     rig.check_i6()
+
+
+def test_the_release_thread_counts_double_and_early_releases(make_rig: MakeRig) -> None:
+    """The I6 detectors themselves: feed the release thread what a broken
+    release path would (the same entry twice; an entry whose op still runs)
+    and check that each is counted, and the second release not performed."""
+    rig = make_rig([HANG])
+    hung = rig.submit("early", [0], [0])
+    assert wait_until(lambda: hung.state is _S.TRANSFERRING)
+    done = rig.submit("twice", [1], [1])
+    assert done.wait(WAIT) is _S.DONE
+    assert rig.wait_released("twice")
+    calls_before = rig.sched.metrics().released
+    # A stale entry (already released) comes back: counted, not released again.
+    entry = _Entry_of(rig.sched, "early")
+    rig.sched._releases.put(_StaleEntry(entry))  # type: ignore[arg-type]
+    # An entry whose op has not quiesced goes to release: counted.
+    rig.sched._releases.put(entry)
+    assert wait_until(lambda: rig.sched.metrics().released_before_quiesce == 1)
+    m = rig.sched.metrics()
+    assert m.double_releases == 1
+    assert m.released == calls_before + 1
+    rig.faults.release_hangs()
+
+
+def _Entry_of(sched: Scheduler, rid: str) -> Any:
+    with sched._lock:
+        return sched._entries[rid]
+
+
+class _StaleEntry:
+    """Looks like an entry of a request, but is not the one the scheduler holds."""
+
+    def __init__(self, entry: Any) -> None:
+        self.lifecycle = entry.lifecycle
+        self.ops = entry.ops
