@@ -55,6 +55,7 @@ class RequestLifecycle:
         "_lock",
         "_reason",
         "_settled",
+        "_settler",
         "_state",
         "max_attempts",
         "request_id",
@@ -70,6 +71,7 @@ class RequestLifecycle:
     _history: list[TransitionRecord]  # a path through DISPATCH; exactly one terminal record
     _callbacks: list[DoneCallback] | None  # pending done-callbacks; None once they have run
     _settled: bool  # terminal AND its done-callbacks have run; wait() returns from here
+    _settler: int | None  # thread running the done-callbacks: its own wait() must not block
     _done: threading.Event | None  # created lazily by a blocking wait(); set once settled
     _journal: Journal
 
@@ -90,6 +92,7 @@ class RequestLifecycle:
         self._history = []
         self._callbacks = []
         self._settled = False
+        self._settler = None
         self._done = None
         self._journal = journal if journal is not None else DEFAULT_JOURNAL
 
@@ -184,6 +187,7 @@ class RequestLifecycle:
             return True
         # Callbacks first, then waiters: a waiter that returns sees their
         # effects (e.g. the scheduler's poll() already has the request).
+        self._settler = threading.get_ident()
         try:
             for fn in callbacks:
                 _run_callback(fn, self)
@@ -215,8 +219,8 @@ class RequestLifecycle:
         Returns only once the done-callbacks of the terminal transition have
         run, even to a waiter that arrives while they run.
         """
-        if self._settled:
-            return self._state
+        if self._settled or self._settler == threading.get_ident():
+            return self._state  # a done-callback waiting on its own request
         with self._lock:
             if self._settled:
                 return self._state

@@ -609,3 +609,13 @@ def test_wait_returns_only_after_the_done_callbacks_ran() -> None:
     assert lc.wait(5) is S.FAILED
     assert effects == ["callback"]
     ender.join(5)
+
+
+def test_a_done_callback_may_wait_on_its_own_request() -> None:
+    lc = RequestLifecycle("reentrant")
+    seen: list[TransferState] = []
+    lc.add_done_callback(lambda x: seen.append(x.wait()))  # would deadlock if it blocked
+    t0 = time.monotonic()
+    assert lc.fail(FailureReason.ABORTED) is True
+    assert seen == [S.FAILED]
+    assert time.monotonic() - t0 < 1.0
