@@ -47,6 +47,7 @@ import structlog
 
 from lifecycle import RequestLifecycle, TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
+from scheduler.trace import percentiles
 from transfer import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan, KVCache, KVLayout
 from transfer.backend import TransferOp
 from transfer.mooncake import MooncakeBackend
@@ -325,10 +326,10 @@ def _soak(
         rss0, rss1 = samples[0][1], samples[-1][1]
         report.rss_growth_mib = round(rss1 - rss0, 1)
         report.rss_growth_pct = round(100.0 * (rss1 - rss0) / rss0, 2)
-    lat = sorted(latencies[: report.done + report.failed])
-    if lat:
-        report.p50_ms = round(1000 * lat[len(lat) // 2], 3)
-        report.p99_ms = round(1000 * lat[int(0.99 * (len(lat) - 1))], 3)
+    pct = percentiles(latencies[: report.done + report.failed])
+    if pct:
+        report.p50_ms = round(1000 * pct["p50"], 3)
+        report.p99_ms = round(1000 * pct["p99"], 3)
     if report.wall_s:
         report.requests_per_s = round((report.done + report.failed) / report.wall_s, 1)
 

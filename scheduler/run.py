@@ -39,6 +39,7 @@ from ._scheduler import Finished, RetryPolicy, Scheduler
 from .journal import JsonlJournal
 from .metrics import MetricsServer, register_metrics, serve_metrics
 from .stuck import StuckInspector
+from .trace import percentiles
 
 __all__ = ["RunConfig", "RunSummary", "run"]
 
@@ -419,11 +420,9 @@ def _run(
     summary.released_before_quiesce = metrics.released_before_quiesce + metrics.double_releases
     summary.wall_s = round(wall, 3)
     if latencies:
-        latencies.sort()
-        summary.p50_ms = round(1000 * latencies[len(latencies) // 2], 3)
-        summary.p99_ms = round(
-            1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 3
-        )
+        pct = percentiles(latencies)
+        summary.p50_ms = round(1000 * pct["p50"], 3)
+        summary.p99_ms = round(1000 * pct["p99"], 3)
     summary.gbps = round(metrics.bytes_done / wall / 1e9, 3) if wall > 0 else 0.0
     _print_summary(summary, cfg, out)
     if cfg.json_path is not None:
