@@ -93,7 +93,11 @@ class RunSummary:
     non_terminal: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     integrity_errors: int = 0
-    unverified: int = 0  # DONE, but the decode side could not be asked any more
+    # DONE, but the decode side could not answer. Tolerated only after the run
+    # itself killed or froze it (`unverified`); while it is alive, an
+    # unanswered verification means nothing was checked: the job fails.
+    unverified: int = 0
+    unverified_alive: int = 0
     released_before_quiesce: int = 0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
@@ -107,6 +111,11 @@ class RunSummary:
             broken.append(f"{self.non_terminal} requests never reached a terminal state")
         if self.integrity_errors:
             broken.append(f"{self.integrity_errors} DONE requests have corrupt destination blocks")
+        if self.unverified_alive:
+            broken.append(
+                f"{self.unverified_alive} DONE requests were not verified"
+                " while the decode side was alive"
+            )
         if self.released_before_quiesce:
             broken.append(f"{self.released_before_quiesce} releases happened before quiesce")
         return broken
@@ -120,6 +129,7 @@ class RunSummary:
             "by_reason": self.by_reason,
             "integrity_errors": self.integrity_errors,
             "unverified": self.unverified,
+            "unverified_alive": self.unverified_alive,
             "released_before_quiesce": self.released_before_quiesce,
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
@@ -306,6 +316,9 @@ def _run(
     pool = _BlockPool(cfg.blocks)
     summary = RunSummary(cfg.requests)
     lock = threading.Lock()
+    # Set before the run kills or freezes the decode side, so a verification
+    # that fails from then on is "decode gone", not a silent pass.
+    decode_stopped = threading.Event()
 
     def release(request_id: str, fin: Finished) -> None:
         src_blocks, dst_blocks = blocks_of.pop(request_id)
@@ -314,8 +327,10 @@ def _run(
             with lock:
                 if verdict is False:
                     summary.integrity_errors += 1
-                elif verdict is None:
+                elif verdict is None and decode_stopped.is_set():
                     summary.unverified += 1
+                elif verdict is None:
+                    summary.unverified_alive += 1
         pool.give(dst_blocks)
 
     blocks_of: dict[str, tuple[list[int], list[int]]] = {}
@@ -378,6 +393,7 @@ def _run(
                     reasons[(fin.reason or FailureReason.TRANSFER_ERROR).name] += 1
             ended = done + failed
             if cfg.kill_decode_after is not None and not killed and done >= cfg.kill_decode_after:
+                decode_stopped.set()
                 decode.kill()
                 killed = True
             if (
@@ -385,6 +401,7 @@ def _run(
                 and not frozen
                 and done >= cfg.freeze_decode_after
             ):
+                decode_stopped.set()
                 decode.freeze()
                 frozen = True
             if faults is not None and time.monotonic() >= hang_release_at:
@@ -440,6 +457,7 @@ def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
         ("non-terminal", s.non_terminal),
         ("integrity errors", s.integrity_errors),
         ("unverified (decode gone)", s.unverified),
+        ("unverified (decode alive)", s.unverified_alive),
         ("released before quiesce", s.released_before_quiesce),
         ("p50 / p99 latency (ms)", f"{s.p50_ms:.2f} / {s.p99_ms:.2f}"),
         ("throughput (GB/s)", f"{s.gbps:.3f}"),

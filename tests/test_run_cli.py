@@ -165,3 +165,29 @@ def test_mooncake_freeze_decode_times_out_at_the_deadline(tmp_path: Path) -> Non
     assert s["by_reason"].get("TIMEOUT", 0) > 0, s
     # Requests that timed out did so at their 1 s deadline, not the engine's.
     assert s["p99_ms"] < 1000 + 500, s
+
+
+def test_unanswered_verification_while_decode_alive_fails_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reproduces issue 10: a decode side that cannot answer (there, a missing
+    # numpy in the child) left every DONE request unverified and the job said OK.
+    import io
+
+    from scheduler import run as run_mod
+
+    monkeypatch.setattr(run_mod._LocalDecode, "verify", lambda *_args: None)
+    out = io.StringIO()
+    cfg = run_mod.RunConfig(
+        requests=12,
+        backend="local",
+        layers=2,
+        blocks=64,
+        block_bytes=1024,
+        blocks_per_request=4,
+        progress=False,
+    )
+    summary = run_mod.run(cfg, out)
+    assert (summary.done, summary.unverified, summary.unverified_alive) == (12, 0, 12)
+    assert summary.ok() == ["12 DONE requests were not verified while the decode side was alive"]
+    assert "result: BROKEN: 12 DONE requests were not verified" in out.getvalue()

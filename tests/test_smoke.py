@@ -27,7 +27,7 @@ def test_readme_commands_match_ci() -> None:
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
     block = readme.split("```sh\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert block[0] == "bash scripts/bootstrap.sh && kvguard run"
-    assert block[1] == "bash scripts/bootstrap.sh && python3 -m pytest -q"
+    assert block[0] == "bash scripts/bootstrap.sh && .venv/bin/kvguard run"
+    assert block[1] == "bash scripts/bootstrap.sh && .venv/bin/python -m pytest -q"
     ci_lines = [ln for ln in (root / ".ci/run").read_text().splitlines() if ln.strip()]
     assert ci_lines[-1] == block[1]
