@@ -71,6 +71,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         blocks=args.blocks,
         block_bytes=args.block_bytes,
         blocks_per_request=args.blocks_per_request,
+        fragmentation=args.fragmentation,
         max_attempts=args.max_attempts,
         json_path=args.json,
         progress=not args.no_progress,
@@ -155,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=1024, help="blocks per side")
     p.add_argument("--block-bytes", type=int, default=8192)
     p.add_argument("--blocks-per-request", type=int, default=16)
+    p.add_argument(
+        "--fragmentation",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="probability that a freed destination block returns at a random place in the"
+        " free list (0: a serving engine's FIFO free list, mostly runs; 1: scattered)",
+    )
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")

@@ -40,6 +40,7 @@ from .journal import JsonlJournal
 from .metrics import MetricsServer, register_metrics, serve_metrics
 from .stuck import StuckInspector
 from .trace import percentiles
+from .workload import BlockAllocator
 
 __all__ = ["RunConfig", "RunSummary", "run"]
 
@@ -58,6 +59,7 @@ class RunConfig:
     blocks: int = 1024  # per side
     block_bytes: int = 8192
     blocks_per_request: int = 16
+    fragmentation: float = 0.0  # see scheduler.workload: 0 a serving free list, 1 scattered
     max_attempts: int = 3
     json_path: Path | None = None
     progress: bool = True
@@ -75,6 +77,7 @@ class RunConfig:
             "--freeze-decode-after": self.freeze_decode_after is None
             or self.freeze_decode_after >= 0,
             "--blocks-per-request": 1 <= self.blocks_per_request <= self.blocks,
+            "--fragmentation": 0.0 <= self.fragmentation <= 1.0,
             "--metrics-port": self.metrics_port is None or 0 <= self.metrics_port <= 65535,
             "--stuck-after": self.stuck_after_s is None or self.stuck_after_s > 0,
         }
@@ -176,29 +179,6 @@ class _LocalDecode:
 
     def close(self) -> None:
         pass
-
-
-class _BlockPool:
-    """Free destination blocks. Blocks come back only via the release callback."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._free = set(range(num_blocks))
-        self._cv = threading.Condition()
-
-    def take(self, n: int, rng: random.Random, timeout: float) -> list[int] | None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: len(self._free) >= n, timeout):
-                return None
-            # Random free blocks, sorted: fragmented like a long-running
-            # decode pool, with the runs that coalescing can merge.
-            taken = sorted(rng.sample(sorted(self._free), n))
-            self._free.difference_update(taken)
-            return taken
-
-    def give(self, blocks: list[int]) -> None:
-        with self._cv:
-            self._free.update(blocks)
-            self._cv.notify_all()
 
 
 class _Progress:
@@ -313,7 +293,7 @@ def _run(
         )
         backend = faults
 
-    pool = _BlockPool(cfg.blocks)
+    pool = BlockAllocator(cfg.blocks, fragmentation=cfg.fragmentation, seed=cfg.seed)
     summary = RunSummary(cfg.requests)
     lock = threading.Lock()
     # Set before the run kills or freezes the decode side, so a verification
@@ -331,7 +311,7 @@ def _run(
                     summary.unverified += 1
                 elif verdict is None:
                     summary.unverified_alive += 1
-        pool.give(dst_blocks)
+        pool.free(dst_blocks)
 
     blocks_of: dict[str, tuple[list[int], list[int]]] = {}
     sched = Scheduler(
@@ -374,7 +354,7 @@ def _run(
             # backlog: at most `window` live, so latency is transfer time, not
             # time spent queued behind the backlog.
             while submitted < cfg.requests and submitted - done - failed < window:
-                dst = pool.take(cfg.blocks_per_request, rng, timeout=0.0 if submitted else 1.0)
+                dst = pool.take(cfg.blocks_per_request, timeout=0.0 if submitted else 1.0)
                 if dst is None:
                     break
                 # A prefill allocates a sequence's blocks mostly contiguously.
