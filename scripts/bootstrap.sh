@@ -16,6 +16,8 @@ SUDO=""
 need=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
 command -v ip >/dev/null || need+=(iproute2)
+# etcd: the metadata service of most Mooncake deployments, started by its tests.
+command -v etcd >/dev/null || need+=(etcd-server)
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
