@@ -34,10 +34,12 @@ from lifecycle import FailureReason, TransferState
 from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
 from transfer.local import LocalBackend
+from transfer.plan import build_plan
 
 from ._scheduler import Finished, RetryPolicy, Scheduler
 from .journal import JsonlJournal
 from .metrics import MetricsServer, register_metrics, serve_metrics
+from .raw_baseline import replay_raw
 from .stuck import StuckInspector
 from .trace import percentiles
 from .workload import BlockAllocator
@@ -106,6 +108,11 @@ class RunSummary:
     p99_ms: float = 0.0
     gbps: float = 0.0
     wall_s: float = 0.0
+    cpu_s_per_gb: float = 0.0  # this process's CPU seconds (all threads) per GB moved
+    # The raw engine on the same entries in the same run (scheduler.raw_baseline);
+    # None where there is no engine to compare with (local backend, decode stopped).
+    raw_gbps: float | None = None
+    raw_cpu_s_per_gb: float | None = None
 
     def ok(self) -> list[str]:
         """What broke; empty when the run upheld every invariant."""
@@ -138,6 +145,9 @@ class RunSummary:
             "p99_ms": self.p99_ms,
             "gbps": self.gbps,
             "wall_s": self.wall_s,
+            "cpu_s_per_gb": self.cpu_s_per_gb,
+            "raw_gbps": self.raw_gbps,
+            "raw_cpu_s_per_gb": self.raw_cpu_s_per_gb,
         }
 
 
@@ -303,6 +313,7 @@ def _run(
     def release(request_id: str, fin: Finished) -> None:
         src_blocks, dst_blocks = blocks_of.pop(request_id)
         if fin.state is TransferState.DONE:
+            done_blocks.append((src_blocks, dst_blocks))
             verdict = decode.verify(src, src_blocks, dst_blocks)
             with lock:
                 if verdict is False:
@@ -314,6 +325,7 @@ def _run(
         pool.free(dst_blocks)
 
     blocks_of: dict[str, tuple[list[int], list[int]]] = {}
+    done_blocks: list[tuple[list[int], list[int]]] = []  # for the raw replay
     sched = Scheduler(
         backend,
         src,
@@ -344,6 +356,7 @@ def _run(
     killed = frozen = False
     hang_release_at = time.monotonic() + 2 * cfg.deadline_s
     started = time.monotonic()
+    cpu_started = time.process_time()
     try:
         if registry is not None and cfg.metrics_port is not None:
             server = serve_metrics(registry, cfg.metrics_port)
@@ -397,6 +410,7 @@ def _run(
                 progressed.wait(0.05)
                 progressed.clear()
         wall = time.monotonic() - started
+        cpu = time.process_time() - cpu_started
         progress.show(done, failed, submitted - done - failed, force=True)
     finally:
         if faults is not None:
@@ -421,6 +435,15 @@ def _run(
         summary.p50_ms = round(1000 * pct["p50"], 3)
         summary.p99_ms = round(1000 * pct["p99"], 3)
     summary.gbps = round(metrics.bytes_done / wall / 1e9, 3) if wall > 0 else 0.0
+    if metrics.bytes_done:
+        summary.cpu_s_per_gb = round(cpu / (metrics.bytes_done / 1e9), 3)
+    engine = getattr(inner, "engine", None)
+    if engine is not None and done_blocks and not decode_stopped.is_set():
+        plans = [build_plan(src, decode.peer, s, d) for s, d in done_blocks]
+        raw = replay_raw(engine, plans, cfg.workers)
+        if raw.failed_calls == 0:
+            summary.raw_gbps = round(raw.gbps, 3)
+            summary.raw_cpu_s_per_gb = round(raw.cpu_s_per_gb, 3)
     _print_summary(summary, cfg, out)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
@@ -440,7 +463,8 @@ def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
         ("unverified (decode alive)", s.unverified_alive),
         ("released before quiesce", s.released_before_quiesce),
         ("p50 / p99 latency (ms)", f"{s.p50_ms:.2f} / {s.p99_ms:.2f}"),
-        ("throughput (GB/s)", f"{s.gbps:.3f}"),
+        ("throughput (GB/s)", f"{s.gbps:.3f}" + _vs_raw(s)),
+        ("CPU s per GB", f"{s.cpu_s_per_gb:.3f}" + _raw_cpu(s)),
         ("wall (s)", f"{s.wall_s:.2f}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -449,3 +473,14 @@ def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
     broken = s.ok()
     out.write("result: " + ("OK" if not broken else "BROKEN: " + "; ".join(broken)) + "\n")
     out.flush()
+
+
+def _vs_raw(s: RunSummary) -> str:
+    if s.raw_gbps is None:
+        return ""
+    ratio = f", {s.gbps / s.raw_gbps:.2f}x" if s.raw_gbps > 0 else ""
+    return f"  (raw engine, same entries: {s.raw_gbps:.3f}{ratio})"
+
+
+def _raw_cpu(s: RunSummary) -> str:
+    return "" if s.raw_cpu_s_per_gb is None else f"  (raw engine: {s.raw_cpu_s_per_gb:.3f})"
