@@ -125,6 +125,10 @@ def test_mooncake_clean_run_verifies_every_block(tmp_path: Path) -> None:
     assert rc == 0, out
     _check_consistent(s, 40)
     assert (s["done"], s["integrity_errors"], s["unverified"]) == (40, 0, 0)
+    assert s["unverified_alive"] == 0
+    # The raw engine replayed the same entries in the same run.
+    assert s["raw_gbps"] > 0 and s["raw_cpu_s_per_gb"] > 0 and s["cpu_s_per_gb"] > 0
+    assert "raw engine, same entries" in out
 
 
 @pytest.mark.mooncake
