@@ -1,13 +1,24 @@
-"""The decode side of ``kvguard run`` on real Mooncake: a receiver process."""
+"""The decode side of ``kvguard run`` on real Mooncake: a decode service.
+
+Plain ``kvguard run`` starts one as a local child (``ReceiverProcess``), which
+it can kill or freeze; ``kvguard run --decode HOST:PORT`` drives one that
+``kvguard decode --listen HOST:PORT`` runs elsewhere. Either way the run
+talks to it over the same control channel (``transfer.control``).
+"""
 
 from __future__ import annotations
 
+import socket
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import zmq
+
 from transfer import KVCache, KVLayout, PeerInfo
+from transfer.control import DecodeClient, endpoint_of
 from transfer.mooncake import MooncakeBackend
-from transfer.peer_protocol import block_digests
+from transfer.peer_protocol import DIGEST_SIZE, block_digest_bytes
 from transfer.receiver import ReceiverProcess
 
 if TYPE_CHECKING:
@@ -18,51 +29,122 @@ __all__ = ["MooncakeDecode", "start_mooncake_decode"]
 # Engine calls stuck on a frozen peer return after MC_TRANSFER_TIMEOUT; the
 # minimum the engine accepts keeps their blocks quarantined for 5 s, not 30.
 _ENGINE_TIMEOUT_S = 5
+_CONNECT_TIMEOUT_S = 10.0  # a remote service that does not answer its first request
+# Any of these means the service cannot answer (dead, frozen, gone, lying):
+# the run counts the request unverified and stops asking.
+_UNANSWERED = (TimeoutError, OSError, RuntimeError, ValueError, zmq.ZMQError)
+
+Pair = tuple[Sequence[int], Sequence[int]]  # (source blocks, destination blocks)
 
 
 class MooncakeDecode:
-    """A ``python -m transfer.receiver`` child, verified over its stdin/stdout."""
+    """A decode service the run verifies through; kill/freeze need a local child."""
 
-    def __init__(self, layout: KVLayout, reply_timeout_s: float) -> None:
-        self._proc = ReceiverProcess(layout)
-        self.peer: PeerInfo = self._proc.start()
-        self._reply_timeout_s = reply_timeout_s
-        self._lock = threading.Lock()  # one command at a time on the pipe
+    peer: PeerInfo
+
+    def __init__(
+        self, client: DecodeClient, peer: PeerInfo, proc: ReceiverProcess | None, timeout_s: float
+    ) -> None:
+        self._client = client
+        self.peer = peer
+        self._proc = proc  # None: a remote service, not ours to stop
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # one request at a time; guards _gone
         self._gone = False  # killed, frozen or unresponsive: stop asking
 
     def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
+        """True if intact, False if corrupt, None if the service cannot answer."""
+        return self.verify_batch(src, [(src_blocks, dst_blocks)])[0]
+
+    def verify_batch(self, src: KVCache, pairs: Sequence[Pair]) -> list[bool | None]:
+        """``verify`` for many requests in one round trip."""
+        dst = [b for _, d in pairs for b in d]
         with self._lock:
             if self._gone:
-                return None
+                return [None] * len(pairs)
             try:
-                reply = self._proc.request(
-                    {"cmd": "checksum", "blocks": dst_blocks}, timeout=self._reply_timeout_s
-                )
-            except (TimeoutError, OSError, RuntimeError, ValueError):
+                theirs = self._client.checksums(dst, timeout=self._timeout_s)
+            except _UNANSWERED:
                 self._gone = True
-                return None
-        theirs = reply.get("digests")
-        return theirs == block_digests(src, src_blocks)
+                return [None] * len(pairs)
+        ours = block_digest_bytes(src, [b for s, _ in pairs for b in s])
+        out: list[bool | None] = []
+        at = 0
+        for _, d in pairs:
+            end = at + len(d) * DIGEST_SIZE
+            out.append(theirs[at:end] == ours[at:end])
+            at = end
+        return out
 
     def kill(self) -> None:
         with self._lock:
             self._gone = True
-        self._proc.kill()
+        self._local("--kill-decode-after").kill()
 
     def freeze(self) -> None:
         self._gone = True
-        self._proc.freeze()
+        self._local("--freeze-decode-after").freeze()
+
+    def _local(self, option: str) -> ReceiverProcess:
+        if self._proc is None:
+            raise ValueError(f"{option} needs a local decode service, not --decode")
+        return self._proc
 
     def close(self) -> None:
-        self._proc.close()
+        """Stop a local child; leave a remote service running for the next run."""
+        if self._proc is not None:
+            self._proc.close()
+        else:
+            self._client.close()
+
+
+def _route_ip(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint`` (no packet is sent)."""
+    if not endpoint.startswith("tcp://"):
+        return "127.0.0.1"
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP connect only picks a route
+        return str(s.getsockname()[0])
+
+
+def _connect(cfg: RunConfig, layout: KVLayout, timeout_s: float) -> MooncakeDecode:
+    address = str(cfg.decode)
+    client = DecodeClient(address, timeout_s=timeout_s)
+    try:
+        peer = client.peer(timeout=_CONNECT_TIMEOUT_S)
+        if peer.layout != layout:
+            raise ValueError(
+                f"--decode {address} serves {peer.layout}, this run needs {layout}: "
+                "start it with the same --layers/--blocks/--block-bytes"
+            )
+        # A previous run's bytes could make a transfer that never landed look intact.
+        client.zero(timeout=timeout_s)
+    except BaseException:
+        client.close()
+        raise
+    return MooncakeDecode(client, peer, None, timeout_s)
 
 
 def start_mooncake_decode(
     cfg: RunConfig, layout: KVLayout
 ) -> tuple[MooncakeBackend, MooncakeDecode]:
-    decode = MooncakeDecode(layout, reply_timeout_s=max(2.0, cfg.deadline_s))
+    timeout_s = max(2.0, cfg.deadline_s)
+    if cfg.decode is not None:
+        decode = _connect(cfg, layout, timeout_s)
+        local_ip = _route_ip(endpoint_of(cfg.decode))
+    else:
+        proc = ReceiverProcess(layout)
+        try:
+            peer = proc.start()
+        except BaseException:
+            proc.close()
+            raise
+        decode = MooncakeDecode(proc.client, peer, proc, timeout_s)
+        local_ip = "127.0.0.1"
     try:
-        backend = MooncakeBackend(transfer_timeout_s=_ENGINE_TIMEOUT_S)
+        backend = MooncakeBackend(local_ip, transfer_timeout_s=_ENGINE_TIMEOUT_S)
     except BaseException:
         decode.close()
         raise

@@ -78,6 +78,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         journal_path=args.journal,
         metrics_port=args.metrics_port,
         stuck_after_s=args.stuck_after,
+        decode=args.decode,
     )
     try:
         summary = run(cfg)
@@ -88,6 +89,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for line in broken:
         print(f"kvguard run: {line}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from transfer.receiver import run_service
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    return run_service(args, sys.stdout)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -185,12 +193,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="warn (rate-limited) about requests live for longer than this",
     )
     p.add_argument(
+        "--decode",
+        default=None,
+        metavar="HOST:PORT",
+        help="drive the `kvguard decode` service there instead of starting a local one",
+    )
+    p.add_argument(
         "--log-level",
         default="error",
         choices=("debug", "info", "warning", "error"),
         help="structlog level on stderr (transitions are debug/info/warning)",
     )
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "decode",
+        help="serve a KV cache registered with Mooncake to `kvguard run --decode`",
+        description="A decode service: owns a KV cache registered with Mooncake, "
+        "advertises it and answers verification over a control channel (ZeroMQ, "
+        "unauthenticated: see docs/security.md), until SIGINT/SIGTERM; then it stops "
+        "listening and releases the engine. Exit status 0 after a clean stop, 2 if it "
+        "cannot start.",
+    )
+    from transfer.receiver import add_service_arguments
+
+    add_service_arguments(p)
+    p.set_defaults(func=_cmd_decode)
 
     p = sub.add_parser(
         "bench",

@@ -68,6 +68,7 @@ class RunConfig:
     journal_path: Path | None = None  # JSON lines, one per transition (scheduler.journal)
     metrics_port: int | None = None  # serve /metrics on 127.0.0.1 while running; 0: any port
     stuck_after_s: float | None = None  # warn about requests live for longer than this
+    decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
 
     def check(self) -> None:
         problems = {
@@ -88,6 +89,16 @@ class RunConfig:
             raise ValueError(f"invalid value for {', '.join(bad)}")
         if self.backend not in ("mooncake", "local"):
             raise ValueError(f"--backend must be mooncake or local, got {self.backend!r}")
+        if self.decode is not None:
+            # A remote service is not ours to kill or freeze.
+            clash = {
+                "--backend local": self.backend == "local",
+                "--kill-decode-after": self.kill_decode_after is not None,
+                "--freeze-decode-after": self.freeze_decode_after is not None,
+            }
+            bad = [name for name, on in clash.items() if on]
+            if bad:
+                raise ValueError(f"--decode cannot be combined with {', '.join(bad)}")
 
 
 @dataclass(slots=True)

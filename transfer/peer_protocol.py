@@ -1,319 +1,313 @@
-"""The messages a decode peer and a prefill side exchange, validated strictly.
+"""The messages a decode service and a prefill side exchange, validated strictly.
 
-A peer advertises itself with one JSON object (one line on the wire)::
+Every message is one msgpack map decoded by msgspec straight into the frozen
+Structs below: exact fields (unknown ones are refused), exact types (a
+``true`` is not a 1, a float is not an int), bounded sizes, bounded lists.
+What the types cannot say is checked next, in O(n log n): regions that do
+not overlap, buffers that do not overlap and that lie inside a region, one
+base per buffer. Everything here ends up as engine addresses, so nothing is
+trusted; any violation is a ``PeerProtocolError`` naming the field (msgspec's
+``$.regions[3][0]`` path, or the buffer's index).
 
-    {"kvguard": 1, "type": "peer", "session_id": "127.0.0.1:15503",
-     "layout": {"num_layers": 2, "num_blocks": 64, "block_bytes": 4096, "kv_split": true},
-     "regions": [[base, length], ...], "block_base": [base, ...]}
+The wire format is framing-free on purpose: ``transfer.control`` carries
+each message as one ZeroMQ frame, so no reply can run into the next one.
 
-Everything in it ends up as engine addresses, so nothing is trusted: exact
-keys, exact types (a ``true`` is not a 1), no duplicate keys, no NaN, bounded
-sizes, regions that do not overlap and buffers that lie inside them. Any
-violation raises ``PeerProtocolError`` naming the field.
-
-The same module defines the command lines a receiver process serves on stdin
-(``COMMANDS``: name -> allowed argument keys) and the per-block digest both
-sides compute to compare a transfer byte for byte without shared memory.
+Requests carry their kind in ``"cmd"``, replies in ``"type"``; a reply's tag
+is its request's tag, or ``"error"`` (``REPLY_OF``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
-from typing import Final
+from typing import Annotated, Final, Literal, TypeVar
+
+import msgspec
+import torch
 
 from .backend import PeerInfo, Region
 from .errors import PeerProtocolError
 from .layout import KVCache, KVLayout
 
 __all__ = [
-    "COMMANDS",
+    "DIGEST_SIZE",
+    "MAX_ADDR",
     "MAX_LIST_LEN",
-    "MAX_MESSAGE_BYTES",
+    "MAX_PEER_MESSAGE_BYTES",
+    "MAX_REPLY_BYTES",
+    "MAX_REQUEST_BYTES",
     "MAX_SESSION_ID_LEN",
     "PROTOCOL_VERSION",
-    "Command",
+    "REPLY_OF",
+    "ChecksumReply",
+    "ChecksumRequest",
+    "ErrorReply",
+    "LayoutMessage",
+    "PeerMessage",
+    "PeerRequest",
+    "PingReply",
+    "PingRequest",
+    "Reply",
+    "Request",
+    "ZeroReply",
+    "ZeroRequest",
+    "block_digest_bytes",
     "block_digests",
-    "check_reply",
-    "encode_error",
-    "encode_reply",
-    "load_message",
-    "parse_command",
-    "parse_reply",
-    "peek_command_id",
+    "decode_reply",
+    "encode",
+    "error_reply",
+    "parse_request",
     "peer_info_from_message",
+    "peer_info_of",
     "peer_info_to_message",
+    "peer_message_of",
 ]
 
 PROTOCOL_VERSION: Final = 1
-MAX_MESSAGE_BYTES: Final = 1 << 20  # one line; a 4096-buffer peer message is ~100 KiB
-MAX_LIST_LEN: Final = 1 << 16  # regions, bases, blocks per command
+MAX_LIST_LEN: Final = 1 << 16  # regions, bases, blocks per checksum request
 MAX_SESSION_ID_LEN: Final = 256
-_MAX_ADDR: Final = 1 << 64  # engine addresses are uint64
+MAX_ADDR: Final = 1 << 63  # plans compute addresses in int64: everything lies below
+DIGEST_SIZE: Final = 32  # sha256: with SHA-NI 1.5 GB/s here, blake2b 0.75
+# Frame limits, enforced before decoding (and by ZeroMQ's MAXMSGSIZE before
+# the frame is even buffered). A peer message with 65536 bases is ~600 KiB.
+MAX_PEER_MESSAGE_BYTES: Final = 1 << 20
+MAX_REQUEST_BYTES: Final = 1 << 20  # 65536 block ids are at most 590 KiB
+MAX_REPLY_BYTES: Final = 4 << 20  # a full checksum reply is 2 MiB of digests
 
-_PEER_KEYS: Final = frozenset({"kvguard", "type", "session_id", "layout", "regions", "block_base"})
+_Addr = Annotated[int, msgspec.Meta(ge=1, le=MAX_ADDR - 1)]
+_Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_ADDR - 1)]
+_BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_ADDR - 1)]  # < num_blocks: parse_request
+# Handed to the engine as a host name: printable ASCII, no spaces, no newline.
+_SessionId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN, pattern=r"\A[!-~]+\Z")
+]
 
-# Command name -> the argument keys it takes (besides "cmd"); anything else is
-# rejected. The receiver's dispatch table has exactly these names.
-COMMANDS: Final[Mapping[str, frozenset[str]]] = {
-    "checksum": frozenset({"blocks"}),  # -> {"digests": [sha256 hex per block]}
-    "zero": frozenset(),  # zero every buffer -> {}
-    "ping": frozenset(),  # -> {"pid": int}
-    "exit": frozenset(),  # reply, then exit
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class LayoutMessage(_Message, frozen=True):
+    num_layers: _Size
+    num_blocks: _Size
+    block_bytes: _Size
+    kv_split: bool = True
+
+
+# -- requests (tag field "cmd") -------------------------------------------------------
+
+
+class PeerRequest(_Message, frozen=True, tag="peer", tag_field="cmd"):
+    """-> PeerMessage: what a prefill side needs to write to this service."""
+
+
+class ChecksumRequest(_Message, frozen=True, tag="checksum", tag_field="cmd"):
+    """-> ChecksumReply: the digest of each listed destination block, in order.
+    Many requests' blocks may go in one message (up to MAX_LIST_LEN)."""
+
+    blocks: Annotated[list[_BlockId], msgspec.Meta(max_length=MAX_LIST_LEN)]
+
+
+class ZeroRequest(_Message, frozen=True, tag="zero", tag_field="cmd"):
+    """-> ZeroReply: zero every buffer (a run starts from a known state)."""
+
+
+class PingRequest(_Message, frozen=True, tag="ping", tag_field="cmd"):
+    """-> PingReply: the service's pid; proves it answers."""
+
+
+Request = PeerRequest | ChecksumRequest | ZeroRequest | PingRequest
+
+# -- replies (tag field "type") -------------------------------------------------------
+
+
+class PeerMessage(_Message, frozen=True, tag="peer", tag_field="type"):
+    kvguard: Literal[1]  # PROTOCOL_VERSION
+    session_id: _SessionId  # the engine's address of the service
+    layout: LayoutMessage
+    regions: Annotated[
+        list[tuple[_Addr, _Size]], msgspec.Meta(min_length=1, max_length=MAX_LIST_LEN)
+    ]
+    block_base: Annotated[list[_Addr], msgspec.Meta(min_length=1, max_length=MAX_LIST_LEN)]
+
+
+class ChecksumReply(_Message, frozen=True, tag="checksum", tag_field="type"):
+    # DIGEST_SIZE bytes per requested block, request order; length checked by the client.
+    digests: Annotated[bytes, msgspec.Meta(max_length=MAX_LIST_LEN * DIGEST_SIZE)]
+
+
+class ZeroReply(_Message, frozen=True, tag="zero", tag_field="type"):
+    pass
+
+
+class PingReply(_Message, frozen=True, tag="ping", tag_field="type"):
+    pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+
+
+class ErrorReply(_Message, frozen=True, tag="error", tag_field="type"):
+    error: Annotated[str, msgspec.Meta(max_length=64)]  # the exception's class name
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+Reply = PeerMessage | ChecksumReply | ZeroReply | PingReply | ErrorReply
+
+# Request type -> the reply type that answers it (ErrorReply answers any).
+REPLY_OF: Final[Mapping[type[Request], type[Reply]]] = {
+    PeerRequest: PeerMessage,
+    ChecksumRequest: ChecksumReply,
+    ZeroRequest: ZeroReply,
+    PingRequest: PingReply,
 }
 
+_encoder: Final = msgspec.msgpack.Encoder()
+_peer_decoder: Final = msgspec.msgpack.Decoder(PeerMessage)
+_request_decoder: Final = msgspec.msgpack.Decoder(Request)
+_reply_decoder: Final = msgspec.msgpack.Decoder(Reply)
 
-# Every command may carry an "id" (int), echoed in its reply, so that a parent
-# that gave up waiting for one reply never mistakes it for the next one's.
-_ID_LIMIT: Final = 1 << 63
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """A validated receiver command. ``blocks`` is empty unless the command takes it."""
-
-    cmd: str
-    blocks: tuple[int, ...] = ()
-    id: int | None = None
+_T = TypeVar("_T")
 
 
-# -- JSON with no surprises -----------------------------------------------------
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
 
 
-def _reject_constant(name: str) -> object:
-    raise PeerProtocolError(f"non-finite number {name} in message")
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PeerProtocolError(f"duplicate key {key!r} in message")
-        out[key] = value
-    return out
-
-
-def _load_object(raw: str | bytes, what: str) -> dict[str, object]:
-    if not isinstance(raw, str | bytes):
-        raise PeerProtocolError(f"{what} must be str or bytes, got {type(raw).__name__}")
-    size = len(raw.encode() if isinstance(raw, str) else raw)
-    if size > MAX_MESSAGE_BYTES:
-        raise PeerProtocolError(f"{what} is {size} bytes, limit {MAX_MESSAGE_BYTES}")
+def _decode(decoder: msgspec.msgpack.Decoder[_T], raw: object, what: str, limit: int) -> _T:
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise PeerProtocolError(f"{what} must be bytes, got {type(raw).__name__}")
+    if len(raw) > limit:
+        raise PeerProtocolError(f"{what} is {len(raw)} bytes, limit {limit}")
     try:
-        obj = json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
-    except PeerProtocolError:
-        raise
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
-        raise PeerProtocolError(f"{what} is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise PeerProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_list(value: object, field: str, *, lo: int, hi: int) -> list[int]:
-    """A JSON list of ints, each in [lo, hi)."""
-    if not isinstance(value, list):
-        raise PeerProtocolError(f"{field} must be a list, got {type(value).__name__}")
-    if len(value) > MAX_LIST_LEN:
-        raise PeerProtocolError(f"{field} has {len(value)} items, limit {MAX_LIST_LEN}")
-    for i, item in enumerate(value):
-        if not _is_int(item):
-            raise PeerProtocolError(f"{field}[{i}] must be an int, got {item!r}")
-        if not lo <= item < hi:
-            raise PeerProtocolError(f"{field}[{i}] = {item} out of range [{lo}, {hi})")
-    return value
-
-
-def _session_id(value: object) -> str:
-    if not isinstance(value, str):
-        raise PeerProtocolError(f"session_id must be a str, got {type(value).__name__}")
-    if not 0 < len(value) <= MAX_SESSION_ID_LEN:
-        raise PeerProtocolError(f"session_id must have 1..{MAX_SESSION_ID_LEN} characters")
-    # It is handed to the engine as a host name: printable ASCII, no spaces.
-    if not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value):
-        raise PeerProtocolError(f"session_id {value!r} must be printable ASCII without spaces")
-    return value
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:  # well-formed msgpack, wrong shape
+        raise PeerProtocolError(f"{what}: {exc}") from exc
+    except msgspec.DecodeError as exc:  # truncated, garbage, trailing bytes
+        raise PeerProtocolError(f"{what} is not valid msgpack: {exc}") from exc
 
 
 # -- the peer message -------------------------------------------------------------
 
 
-def peer_info_to_message(info: PeerInfo) -> str:
-    """One JSON line (no newline) advertising ``info``; the inverse of the parser."""
+def peer_message_of(info: PeerInfo) -> PeerMessage:
     if not isinstance(info.layout, KVLayout):
         raise PeerProtocolError(f"peer {info.session_id} has no KVLayout to advertise")
-    return json.dumps(
-        {
-            "kvguard": PROTOCOL_VERSION,
-            "type": "peer",
-            "session_id": info.session_id,
-            "layout": info.layout.to_dict(),
-            "regions": [[r.base, r.length] for r in info.regions],
-            "block_base": list(info.block_base),
-        },
-        separators=(",", ":"),
+    lay = info.layout
+    return PeerMessage(
+        kvguard=PROTOCOL_VERSION,
+        session_id=info.session_id,
+        layout=LayoutMessage(lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split),
+        regions=[(r.base, r.length) for r in info.regions],
+        block_base=list(info.block_base),
     )
 
 
-def peer_info_from_message(raw: str | bytes) -> PeerInfo:
-    """Parse a peer message strictly; raise PeerProtocolError naming what is wrong.
+def peer_info_to_message(info: PeerInfo) -> bytes:
+    """The msgpack peer message advertising ``info``; the inverse of the parser."""
+    return encode(peer_message_of(info))
 
-    A receiver that failed to start sends an error reply instead: it is
-    raised as the PeerProtocolError it describes.
-    """
-    msg = _load_object(raw, "peer message")
-    if "ok" in msg:
-        check_reply(msg)  # an error reply raises
-    keys = set(msg)
-    if keys != _PEER_KEYS:
-        missing, unknown = sorted(_PEER_KEYS - keys), sorted(keys - _PEER_KEYS)
-        raise PeerProtocolError(f"peer message keys: missing {missing}, unknown {unknown}")
-    if not _is_int(msg["kvguard"]) or msg["kvguard"] != PROTOCOL_VERSION:
-        raise PeerProtocolError(f"unsupported protocol version {msg['kvguard']!r}")
-    if msg["type"] != "peer":
-        raise PeerProtocolError(f"message type must be 'peer', got {msg['type']!r}")
-    sid = _session_id(msg["session_id"])
-    layout_obj = msg["layout"]
-    if not isinstance(layout_obj, dict):
-        raise PeerProtocolError(f"layout must be an object, got {type(layout_obj).__name__}")
+
+def peer_info_from_message(raw: bytes | bytearray | memoryview) -> PeerInfo:
+    """Parse a peer message strictly; raise PeerProtocolError naming what is wrong."""
+    return peer_info_of(_decode(_peer_decoder, raw, "peer message", MAX_PEER_MESSAGE_BYTES))
+
+
+def peer_info_of(msg: PeerMessage) -> PeerInfo:
+    """Check what the types cannot: layout, regions, buffers. O(n log n)."""
+    sid = msg.session_id
+    lay = msg.layout
     try:
-        layout = KVLayout.from_dict(layout_obj)
+        layout = KVLayout(lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split)
     except ValueError as exc:
         raise PeerProtocolError(f"peer {sid}: bad layout: {exc}", peer=sid) from exc
-    regions = _regions(msg["regions"], sid)
-    bases = _int_list(msg["block_base"], "block_base", lo=1, hi=_MAX_ADDR)
+    bases = msg.block_base
     if len(bases) != layout.num_buffers:
         raise PeerProtocolError(
             f"peer {sid}: {len(bases)} block bases for {layout.num_buffers} buffers", peer=sid
         )
+    regions = tuple(Region(base, length) for base, length in msg.regions)
+    _check_disjoint(sid, "regions", sorted((r.base, r.end, i) for i, r in enumerate(regions)))
+    ordered = sorted(regions, key=lambda r: r.base)
     size = layout.buffer_bytes
-    for i, base in enumerate(bases):
-        if not any(r.contains(base, size) for r in regions):
+    spans = sorted((base, base + size, i) for i, base in enumerate(bases))
+    _check_disjoint(sid, "buffers", spans)
+    starts = [r.base for r in ordered]
+    for base, end, i in spans:
+        k = bisect_right(starts, base) - 1  # the only region that can hold it
+        if k < 0 or end > ordered[k].end:
             raise PeerProtocolError(
-                f"peer {sid}: buffer {i} [{base:#x}, +{size}) lies in no advertised region",
+                f"peer {sid}: buffer {i} [{base:#x}, +{size:#x}) lies in no advertised region",
                 peer=sid,
             )
     return PeerInfo(sid, regions, layout, block_base=tuple(bases))
 
 
-def _regions(value: object, sid: str) -> tuple[Region, ...]:
-    if not isinstance(value, list) or not value:
-        raise PeerProtocolError(f"peer {sid}: regions must be a non-empty list", peer=sid)
-    if len(value) > MAX_LIST_LEN:
-        raise PeerProtocolError(f"peer {sid}: {len(value)} regions, limit {MAX_LIST_LEN}")
-    out: list[Region] = []
-    for i, pair in enumerate(value):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise PeerProtocolError(f"peer {sid}: regions[{i}] must be [base, length]", peer=sid)
-        base, length = _int_list(pair, f"regions[{i}]", lo=1, hi=_MAX_ADDR)
-        if base + length > _MAX_ADDR:
-            raise PeerProtocolError(f"peer {sid}: regions[{i}] ends past 2**64", peer=sid)
-        out.append(Region(base, length))
-    ordered = sorted(out, key=lambda r: r.base)
-    for a, b in pairwise(ordered):
-        if a.end > b.base:
+def _check_disjoint(sid: str, what: str, spans: list[tuple[int, int, int]]) -> None:
+    """``spans``: (start, end, index) sorted by start; adjacent ones must not overlap,
+    and nothing may end past MAX_ADDR."""
+    prev_end, prev = 0, -1
+    for start, end, i in spans:
+        if end > MAX_ADDR:
+            raise PeerProtocolError(f"peer {sid}: {what}[{i}] ends past 2**63", peer=sid)
+        if start < prev_end:
             raise PeerProtocolError(
-                f"peer {sid}: regions [{a.base:#x}, {a.end:#x}) and "
-                f"[{b.base:#x}, {b.end:#x}) overlap",
-                peer=sid,
+                f"peer {sid}: {what}[{prev}] and {what}[{i}] overlap at {start:#x}", peer=sid
             )
-    return tuple(out)
+        prev_end, prev = end, i
 
 
-# -- receiver commands --------------------------------------------------------------
+# -- requests and replies -----------------------------------------------------------
 
 
-def parse_command(raw: str | bytes, *, num_blocks: int) -> Command:
-    """Validate one command line against ``COMMANDS`` and the receiver's block count."""
-    msg = _load_object(raw, "command")
-    cmd = msg.get("cmd")
-    if not isinstance(cmd, str) or cmd not in COMMANDS:
-        raise PeerProtocolError(f"unknown command {cmd!r}; known: {sorted(COMMANDS)}")
-    allowed = COMMANDS[cmd]
-    unknown = sorted(set(msg) - allowed - {"cmd", "id"})
-    missing = sorted(allowed - set(msg))
-    if unknown or missing:
-        raise PeerProtocolError(f"command {cmd!r}: missing {missing}, unknown {unknown}")
-    cid = _command_id(msg)
-    if "blocks" in allowed:
-        blocks = _int_list(msg["blocks"], "blocks", lo=0, hi=num_blocks)
-        return Command(cmd, tuple(blocks), cid)
-    return Command(cmd, id=cid)
+def parse_request(raw: bytes | bytearray | memoryview, *, num_blocks: int) -> Request:
+    """Validate one request against the schema and the service's block count."""
+    req = _decode(_request_decoder, raw, "request", MAX_REQUEST_BYTES)
+    if isinstance(req, ChecksumRequest) and req.blocks and max(req.blocks) >= num_blocks:
+        i = next(i for i, b in enumerate(req.blocks) if b >= num_blocks)
+        raise PeerProtocolError(f"request: blocks[{i}] = {req.blocks[i]} >= {num_blocks} blocks")
+    return req
 
 
-def _command_id(msg: Mapping[str, object]) -> int | None:
-    cid = msg.get("id")
-    if cid is None:
-        return None
-    if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < _ID_LIMIT:
-        raise PeerProtocolError(f"command id must be an int in [0, 2**63), got {cid!r}")
-    return cid
+def decode_reply(raw: bytes | bytearray | memoryview) -> Reply:
+    """A service's reply, schema-checked (an ErrorReply is returned, not raised)."""
+    return _decode(_reply_decoder, raw, "reply", MAX_REPLY_BYTES)
 
 
-def peek_command_id(raw: str | bytes) -> int | None:
-    """The id of a command line that failed validation, if one can be read."""
-    try:
-        return _command_id(_load_object(raw, "command"))
-    except PeerProtocolError:
-        return None
-
-
-def encode_reply(command: Command, **fields: object) -> str:
-    reply = {"ok": True, "cmd": command.cmd, "id": command.id, **fields}
-    return json.dumps(reply, separators=(",", ":"))
-
-
-def encode_error(exc: BaseException, command_id: int | None = None) -> str:
-    """A typed error line: the class name lets the caller re-raise the right type."""
-    reply = {"ok": False, "id": command_id, "error": type(exc).__name__, "message": str(exc)}
-    return json.dumps(reply, separators=(",", ":"))
-
-
-def load_message(raw: str | bytes, what: str = "message") -> dict[str, object]:
-    """Parse one line as a JSON object: size-limited, no duplicate keys, no NaN."""
-    return _load_object(raw, what)
-
-
-def parse_reply(raw: str | bytes) -> dict[str, object]:
-    """A receiver's reply; raise PeerProtocolError for an error reply or a malformed one."""
-    return check_reply(_load_object(raw, "reply"))
-
-
-def check_reply(msg: dict[str, object]) -> dict[str, object]:
-    """Return ``msg`` if it is a success reply; raise PeerProtocolError otherwise."""
-    ok = msg.get("ok")
-    if ok is True:
-        return msg
-    if ok is False:
-        raise PeerProtocolError(f"receiver error {msg.get('error')}: {msg.get('message')}")
-    raise PeerProtocolError(f"reply has no boolean 'ok': {str(msg)[:200]}")
+def error_reply(exc: BaseException) -> ErrorReply:
+    """A typed error: the class name lets the caller tell what went wrong."""
+    return ErrorReply(type(exc).__name__[:64], str(exc)[:4096])
 
 
 # -- integrity ----------------------------------------------------------------------
 
+_GATHER_BYTES: Final = 32 << 20  # blocks gathered per chunk: bounded memory, few calls
+
+
+def block_digest_bytes(cache: KVCache, blocks: Sequence[int]) -> bytes:
+    """sha256 of each block's bytes over every buffer (layout order), concatenated.
+
+    Both sides compute it (the service on request, the sender on its own
+    source blocks), so equal digests mean the transfer was byte-exact (I7).
+    Each chunk of blocks is gathered into one contiguous array (on the
+    cache's device, then copied to the host), so hashing is one call per
+    block rather than one per block and buffer.
+    """
+    lay = cache.layout
+    n = lay.num_blocks
+    for i, blk in enumerate(blocks):  # bool and float ids are bugs, not blocks
+        if type(blk) is not int or not 0 <= blk < n:
+            raise PeerProtocolError(f"blocks[{i}] = {blk!r} out of range [0, {n})")
+    views = [t.view(n, lay.block_bytes) for t in cache.tensors]
+    step = max(1, _GATHER_BYTES // (lay.num_buffers * lay.block_bytes))
+    out = bytearray()
+    for lo in range(0, len(blocks), step):
+        idx = torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=cache.device)
+        chunk = torch.stack([v.index_select(0, idx) for v in views], dim=1).cpu().numpy()
+        for row in chunk:  # one contiguous (num_buffers, block_bytes) array per block
+            out += hashlib.sha256(row.data).digest()
+    return bytes(out)
+
 
 def block_digests(cache: KVCache, blocks: Sequence[int]) -> list[str]:
-    """sha256 hex of each block's bytes over every buffer, layout order.
-
-    Both sides compute it (the receiver on request, the sender on its own
-    source blocks), so equal lists mean the transfer was byte-exact (I7).
-    """
-    tensors = [t if t.device.type == "cpu" else t.cpu() for t in cache.tensors]
-    size = cache.layout.block_bytes
-    n = cache.layout.num_blocks
-    out = []
-    for blk in blocks:
-        if not _is_int(blk) or not 0 <= blk < n:
-            raise PeerProtocolError(f"block {blk!r} out of range [0, {n})")
-        h = hashlib.sha256()
-        for t in tensors:
-            h.update(t[blk * size : (blk + 1) * size].numpy().data)
-        out.append(h.hexdigest())
-    return out
+    """``block_digest_bytes`` as one hex string per block."""
+    raw = block_digest_bytes(cache, blocks)
+    return [raw[i : i + DIGEST_SIZE].hex() for i in range(0, len(raw), DIGEST_SIZE)]

@@ -1,28 +1,30 @@
 """The decode side of a transfer: a destination KVCache behind its own engine.
 
 ``Receiver`` owns the destination cache, registers it with a MooncakeBackend
-and advertises it as one peer message (``transfer.peer_protocol``).
+and answers the control requests of ``peer_protocol`` (what it advertises,
+block digests, zero, ping). ``serve`` puts it on a ``control.ControlServer``
+until stopped. Run as a process::
 
-Run as a process::
+    python -m transfer.receiver --listen HOST:PORT|ipc://PATH --layers L --blocks B \\
+        --block-bytes N [--no-kv-split] [--ip ENGINE_IP] [--exit-with-stdin]
 
-    python -m transfer.receiver --layers L --blocks B --block-bytes N [--no-kv-split]
+(``kvguard decode`` is the same service.) It prints one line once it
+listens, serves until SIGINT/SIGTERM -- or, with ``--exit-with-stdin``, until
+its stdin closes, so it never outlives the parent that holds it -- and then
+stops listening and releases its engine. A malformed request gets a typed
+error reply, never a crash.
 
-it prints that message as its first stdout line once it is ready, then
-answers one JSON line per command line on stdin (``peer_protocol.COMMANDS``)
-until ``exit`` or end of input, so it never outlives the parent that holds
-its stdin. A malformed command gets a typed error line, never a crash.
-
-``ReceiverProcess`` is the parent side: it starts one, parses its message
-strictly with a timeout, and on exit always kills and reaps it by pid.
+``ReceiverProcess`` is the parent side: it starts one on a private ipc
+socket, asks for its peer message with a deadline, and on exit always kills
+and reaps it by pid.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,31 +33,36 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import IO, BinaryIO, Final, TextIO
+from typing import IO, Any, Final
 
+import msgspec
 import structlog
 
 from .backend import PeerInfo
+from .control import ControlServer, DecodeClient, endpoint_of
 from .errors import PeerProtocolError
 from .layout import KVCache, KVLayout
-from .mooncake import P2P_HANDSHAKE, MooncakeBackend
+from .mooncake import P2P_HANDSHAKE, MooncakeBackend, is_wildcard
 from .peer_protocol import (
-    COMMANDS,
-    MAX_MESSAGE_BYTES,
-    Command,
-    block_digests,
-    check_reply,
-    encode_error,
-    encode_reply,
-    load_message,
-    parse_command,
-    parse_reply,
-    peek_command_id,
-    peer_info_from_message,
-    peer_info_to_message,
+    DIGEST_SIZE,
+    REPLY_OF,
+    ChecksumReply,
+    ChecksumRequest,
+    PeerRequest,
+    PingReply,
+    PingRequest,
+    Reply,
+    Request,
+    ZeroReply,
+    ZeroRequest,
+    block_digest_bytes,
+    encode,
+    error_reply,
+    parse_request,
+    peer_message_of,
 )
 
-__all__ = ["Receiver", "ReceiverProcess", "main"]
+__all__ = ["Receiver", "ReceiverProcess", "add_service_arguments", "main", "run_service"]
 
 
 class Receiver:
@@ -63,7 +70,7 @@ class Receiver:
 
     cache: KVCache  # zeroed at start; written only by peers' transfers and "zero"
     backend: MooncakeBackend  # registers the cache; never submits
-    peer_info: PeerInfo  # what the message advertises
+    peer_info: PeerInfo  # what the peer message advertises
 
     def __init__(
         self,
@@ -83,111 +90,153 @@ class Receiver:
             raise
         self.peer_info = self.cache.peer_info(self.backend.session_id)
 
-    def message(self) -> str:
-        return peer_info_to_message(self.peer_info)
-
-    def handle(self, line: str | bytes) -> tuple[str, bool]:
-        """Answer one command line: (reply line, keep serving)."""
+    def handle(self, frame: bytes) -> bytes:
+        """Answer one request frame with one reply frame; never raises."""
         try:
-            command = parse_command(line, num_blocks=self.cache.layout.num_blocks)
-            fields = _HANDLERS[command.cmd](self, command)
+            req = parse_request(frame, num_blocks=self.cache.layout.num_blocks)
+            reply = _HANDLERS[type(req)](self, req)
         except Exception as exc:  # typed errors and surprises alike become a reply
-            return encode_error(exc, peek_command_id(line)), True
-        return encode_reply(command, **fields), command.cmd != "exit"
-
-    def serve(self, stdin: BinaryIO, stdout: TextIO) -> None:
-        """Answer commands until ``exit`` or end of input."""
-        while True:
-            line = stdin.readline(MAX_MESSAGE_BYTES + 1)
-            if not line:
-                return  # the parent closed our stdin, or died
-            if len(line) > MAX_MESSAGE_BYTES and not line.endswith(b"\n"):
-                while line and not line.endswith(b"\n"):  # drop the rest of the line
-                    line = stdin.readline(MAX_MESSAGE_BYTES)
-                reply = encode_error(
-                    PeerProtocolError(f"command line longer than {MAX_MESSAGE_BYTES} bytes")
-                )
-                keep = True
-            elif not line.strip():
-                continue
-            else:
-                reply, keep = self.handle(line)
-            stdout.write(reply + "\n")
-            stdout.flush()
-            if not keep:
-                return
+            reply = error_reply(exc)
+        return encode(reply)
 
     def close(self) -> None:
         self.backend.close()
 
 
-def _zero(receiver: Receiver, command: Command) -> dict[str, object]:
+def _zero(receiver: Receiver, req: Request) -> Reply:
     for t in receiver.cache.tensors:
         t.zero_()
-    return {}
+    return ZeroReply()
 
 
-# Command name -> handler; the keys are exactly peer_protocol.COMMANDS.
-_HANDLERS: Final[Mapping[str, Callable[[Receiver, Command], dict[str, object]]]] = {
-    "checksum": lambda r, c: {"digests": block_digests(r.cache, c.blocks)},
-    "zero": _zero,
-    "ping": lambda r, c: {"pid": os.getpid()},
-    "exit": lambda r, c: {},
+def _checksum(receiver: Receiver, req: Request) -> Reply:
+    assert isinstance(req, ChecksumRequest)  # the dispatch table's key
+    return ChecksumReply(block_digest_bytes(receiver.cache, req.blocks))
+
+
+# Request type -> handler; the keys are exactly peer_protocol.REPLY_OF's.
+_HANDLERS: Final[Mapping[type[Request], Callable[[Receiver, Request], Reply]]] = {
+    PeerRequest: lambda r, q: peer_message_of(r.peer_info),
+    ChecksumRequest: _checksum,
+    ZeroRequest: _zero,
+    PingRequest: lambda r, q: PingReply(os.getpid()),
 }
-if _HANDLERS.keys() != COMMANDS.keys():  # a command without a handler fails at import
-    raise ImportError(f"receiver handlers {sorted(_HANDLERS)} != commands {sorted(COMMANDS)}")
+if _HANDLERS.keys() != REPLY_OF.keys():  # a request without a handler fails at import
+    raise ImportError(f"receiver handlers {sorted(map(str, _HANDLERS))} != requests")
+
+
+# -- the service ----------------------------------------------------------------------
+
+
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``kvguard decode`` and ``python -m transfer.receiver``.
+
+    Defaults match ``kvguard run``'s, so the two fit without repeating them.
+    """
+    parser.add_argument(
+        "--listen",
+        required=True,
+        metavar="HOST:PORT",
+        help="control channel address (port 0: any free port), or an ipc:// path",
+    )
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--block-bytes", type=int, default=8192)
+    parser.add_argument("--no-kv-split", action="store_true", help="one buffer per layer (MLA)")
+    parser.add_argument(
+        "--ip",
+        default=None,
+        metavar="ADDR",
+        help="the engine's address, told to peers (default: the --listen host, else 127.0.0.1)",
+    )
+    parser.add_argument("--metadata", default=P2P_HANDSHAKE, help="P2PHANDSHAKE or a server URL")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--exit-with-stdin", action="store_true", help="also stop when stdin closes"
+    )
+
+
+def _engine_ip(args: argparse.Namespace) -> str:
+    if args.ip is not None:
+        return str(args.ip)
+    endpoint = endpoint_of(args.listen)
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+        if not is_wildcard(host):
+            return host  # where this host is reached is where its engine is too
+    return "127.0.0.1"
+
+
+def run_service(args: argparse.Namespace, out: IO[str]) -> int:
+    """Serve until SIGINT/SIGTERM (or stdin closes); release everything on the way out."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        layout = KVLayout(args.layers, args.blocks, args.block_bytes, not args.no_kv_split)
+        receiver = Receiver(layout, ip=_engine_ip(args), metadata=args.metadata, device=args.device)
+    except Exception as exc:  # the parent reads the typed error on stderr
+        print(f"kvguard decode: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    with contextlib.ExitStack() as closing:
+        closing.callback(receiver.close)
+        try:
+            server = ControlServer(args.listen, receiver.handle)
+        except OSError as exc:
+            print(f"kvguard decode: {exc}", file=sys.stderr, flush=True)
+            return 2
+        closing.callback(server.close)
+        if args.exit_with_stdin:
+            threading.Thread(target=_stop_at_eof, args=(stop,), daemon=True).start()
+        mib = layout.total_bytes / (1 << 20)
+        print(
+            f"kvguard decode: listening on {server.endpoint} for engine session "
+            f"{receiver.peer_info.session_id}: {layout.num_buffers} buffers x "
+            f"{layout.num_blocks} blocks x {layout.block_bytes} bytes ({mib:.0f} MiB)",
+            file=out,
+            flush=True,
+        )
+        server.serve(stop)
+    return 0
+
+
+def _stop_at_eof(stop: threading.Event) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m transfer.receiver",
-        description="Serve a destination KV cache over Mooncake; print its peer message.",
+        description="Serve a destination KV cache over Mooncake and a control channel.",
     )
-    parser.add_argument("--layers", type=int, required=True)
-    parser.add_argument("--blocks", type=int, required=True)
-    parser.add_argument("--block-bytes", type=int, required=True)
-    parser.add_argument("--no-kv-split", action="store_true", help="one buffer per layer (MLA)")
-    parser.add_argument("--ip", default="127.0.0.1")
-    parser.add_argument("--metadata", default=P2P_HANDSHAKE)
-    parser.add_argument("--device", default="cpu")
+    add_service_arguments(parser)
     args = parser.parse_args(argv)
-    # This process is an application and its stdout carries the peer
-    # protocol: log records (a wildcard-address warning, say) go to stderr.
+    # Log records (a wildcard-address warning, say) go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    try:
-        layout = KVLayout(args.layers, args.blocks, args.block_bytes, not args.no_kv_split)
-        receiver = Receiver(layout, ip=args.ip, metadata=args.metadata, device=args.device)
-    except Exception as exc:  # the parent reads a typed error instead of a peer message
-        print(encode_error(exc), flush=True)
-        return 2
-    try:
-        print(receiver.message(), flush=True)
-        receiver.serve(sys.stdin.buffer, sys.stdout)
-    finally:
-        receiver.close()
-    return 0
+    return run_service(args, sys.stdout)
 
 
 # -- parent side -------------------------------------------------------------------
-
-_EOF: Final = b""  # the reader thread's last item: the child's stdout closed
 
 
 class ReceiverProcess:
     """A ``python -m transfer.receiver`` child, owned by pid. A context manager.
 
-    Entering starts it and waits (at most ``ready_timeout_s``) for its peer
-    message; leaving kills and reaps it whatever state it is in. Its stderr
-    (glog noise) goes to a temporary file, quoted when something fails.
+    It listens on an ipc socket in a private directory (a path, so it is
+    reachable from any network namespace). Entering starts it and waits (at
+    most ``ready_timeout_s``) for its peer message; leaving kills and reaps it
+    whatever state it is in. Its output (glog noise) goes to a temporary
+    file, quoted when something fails.
     """
 
     _proc: subprocess.Popen[bytes] | None  # None until started
-    _lines: queue.Queue[bytes]  # stdout lines from the reader thread; _EOF last
-    _reader: threading.Thread | None
-    _stderr: IO[bytes]
-    _peer: PeerInfo | None  # set once the child printed a valid message
+    _client: DecodeClient | None  # None until started
+    _stderr: IO[bytes]  # the child's stdout and stderr
+    _peer: PeerInfo | None  # set once the child answered with a valid peer message
     _frozen: bool  # SIGSTOP sent and no SIGCONT since
-    _next_id: int  # id of the last command sent
 
     def __init__(
         self,
@@ -200,10 +249,14 @@ class ReceiverProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.layout = layout
+        self._dir = tempfile.mkdtemp(prefix="kvguard-rx-")
+        self.endpoint = f"ipc://{self._dir}/control"
         self._argv = [
             sys.executable,
             "-m",
             "transfer.receiver",
+            f"--listen={self.endpoint}",
+            "--exit-with-stdin",
             f"--layers={layout.num_layers}",
             f"--blocks={layout.num_blocks}",
             f"--block-bytes={layout.block_bytes}",
@@ -215,12 +268,10 @@ class ReceiverProcess:
         self._ready_timeout_s = ready_timeout_s
         self._reply_timeout_s = reply_timeout_s
         self._proc = None
-        self._lines = queue.Queue()
-        self._reader = None
+        self._client = None
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- owned; close() closes it
         self._peer = None
         self._frozen = False
-        self._next_id = 0
 
     def __enter__(self) -> ReceiverProcess:
         try:
@@ -245,19 +296,19 @@ class ReceiverProcess:
         self._proc = subprocess.Popen(
             self._argv,
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=self._stderr,
             stderr=self._stderr,
             env=self._env,
         )
-        stdout = self._proc.stdout
-        assert stdout is not None  # Popen with stdout=PIPE
-        self._reader = threading.Thread(
-            target=_pump, args=(stdout, self._lines), name=f"receiver-{self.pid}", daemon=True
-        )
-        self._reader.start()
-        line = self._next_line(self._ready_timeout_s, "its peer message")
-        self._peer = peer_info_from_message(line)
+        self._client = DecodeClient(self.endpoint, timeout_s=self._reply_timeout_s)
+        self._peer = self._client.peer(timeout=self._ready_timeout_s, alive=self._check_alive)
         return self._peer
+
+    @property
+    def client(self) -> DecodeClient:
+        if self._client is None:
+            raise RuntimeError("receiver not started")
+        return self._client
 
     @property
     def peer(self) -> PeerInfo:
@@ -279,45 +330,38 @@ class ReceiverProcess:
     def frozen(self) -> bool:
         return self._frozen
 
-    # -- commands ----------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------
 
     def request(
         self, command: Mapping[str, object], timeout: float | None = None
-    ) -> dict[str, object]:
-        """Send one command and return its reply; PeerProtocolError for an error reply,
-        TimeoutError when no reply comes in time (a frozen child).
+    ) -> dict[str, Any]:
+        """Send one request (``{"cmd": name, **fields}``) and return its reply's fields.
 
-        Replies to earlier commands that timed out are recognised by their id
-        and dropped.
+        PeerProtocolError for an error reply, a reply of the wrong kind or a
+        child that exited; ServiceTimeout (a TimeoutError) when no reply comes
+        in time (a frozen child).
         """
-        self._next_id += 1
-        cid = self._next_id
-        self._write(json.dumps({**command, "id": cid}).encode())
-        deadline = time.monotonic() + (self._reply_timeout_s if timeout is None else timeout)
-        what = f"a reply to {command.get('cmd')!r}"
-        while True:
-            msg = load_message(self._next_line(deadline - time.monotonic(), what), "reply")
-            if msg.get("id") == cid:
-                return check_reply(msg)
+        try:
+            body = msgspec.msgpack.encode(dict(command))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PeerProtocolError(f"request not encodable: {exc}") from exc
+        reply = self.client.call_raw(body, timeout=timeout, alive=self._check_alive)
+        if reply.__struct_config__.tag != command.get("cmd"):
+            raise PeerProtocolError(f"{type(reply).__name__} in reply to {command.get('cmd')!r}")
+        return msgspec.structs.asdict(reply)
 
-    def send_raw(self, line: bytes, timeout: float | None = None) -> dict[str, object]:
-        """Send ``line`` unvalidated (tests of the child's validation) and parse the reply."""
-        self._write(line)
-        raw = self._next_line(self._reply_timeout_s if timeout is None else timeout, "a reply")
-        return parse_reply(raw)
+    def send_raw(self, frame: bytes, timeout: float | None = None) -> dict[str, Any]:
+        """Send ``frame`` unvalidated as one request (tests of the child's validation)."""
+        reply = self.client.call_raw(frame, timeout=timeout, alive=self._check_alive)
+        return msgspec.structs.asdict(reply)
 
     def checksums(self, blocks: Sequence[int]) -> list[str]:
         """sha256 hex of each destination block (``peer_protocol.block_digests``)."""
-        reply = self.request({"cmd": "checksum", "blocks": list(blocks)})
-        digests = reply.get("digests")
-        if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
-            raise PeerProtocolError(f"checksum reply without digests: {str(reply)[:200]}")
-        if len(digests) != len(blocks):
-            raise PeerProtocolError(f"{len(digests)} digests for {len(blocks)} blocks")
-        return [str(d) for d in digests]
+        raw = self.client.checksums(list(blocks))
+        return [raw[i : i + DIGEST_SIZE].hex() for i in range(0, len(raw), DIGEST_SIZE)]
 
     def zero(self) -> None:
-        self.request({"cmd": "zero"})
+        self.client.zero()
 
     # -- signals -------------------------------------------------------------------------
 
@@ -346,17 +390,15 @@ class ReceiverProcess:
         proc.wait()
 
     def close(self) -> None:
-        """Kill and reap the child, then release pipes, reader and stderr file."""
+        """Kill and reap the child, then release its stdin, socket directory and output."""
         try:
             self.kill()
         finally:
-            proc = self._proc
-            if proc is not None:
-                for pipe in (proc.stdin, proc.stdout):
-                    if pipe is not None:
-                        pipe.close()
-            if self._reader is not None:
-                self._reader.join(timeout=5.0)
+            if self._proc is not None and self._proc.stdin is not None:
+                self._proc.stdin.close()
+            if self._client is not None:
+                self._client.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
             self._stderr.close()
 
     def stderr_tail(self, limit: int = 2000) -> str:
@@ -367,12 +409,14 @@ class ReceiverProcess:
         self._stderr.seek(max(0, size - limit))
         return self._stderr.read().decode(errors="replace")
 
-    def _write(self, line: bytes) -> None:
+    def _check_alive(self) -> None:
+        """Raise PeerProtocolError once the child has exited (a wait need not run out)."""
         proc = self._proc
-        if proc is None or proc.stdin is None:
-            raise RuntimeError("receiver not started")
-        proc.stdin.write(line + b"\n")
-        proc.stdin.flush()
+        if proc is not None and proc.poll() is not None:
+            raise PeerProtocolError(
+                f"receiver pid {proc.pid} exited (code {proc.returncode}); "
+                f"output: {self.stderr_tail(800)!r}"
+            )
 
     def _signal(self, sig: signal.Signals) -> None:
         proc = self._proc
@@ -380,32 +424,6 @@ class ReceiverProcess:
             return
         with contextlib.suppress(ProcessLookupError):  # exited, not reaped yet
             os.kill(proc.pid, sig)
-
-    def _next_line(self, timeout: float, what: str) -> bytes:
-        try:
-            line = self._lines.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            raise TimeoutError(
-                f"receiver pid {self.pid} sent no {what} within {timeout:.1f}s"
-            ) from None
-        if line == _EOF:
-            self._lines.put(_EOF)  # later readers see the end too
-            code = self._proc.poll() if self._proc is not None else None
-            raise PeerProtocolError(
-                f"receiver pid {self.pid} exited (code {code}) before {what}; "
-                f"stderr: {self.stderr_tail(800)!r}"
-            )
-        return line
-
-
-def _pump(stdout: IO[bytes], lines: queue.Queue[bytes]) -> None:
-    try:
-        for line in iter(lambda: stdout.readline(MAX_MESSAGE_BYTES + 1), b""):
-            lines.put(line)
-    except (OSError, ValueError):  # closed under us by close()
-        pass
-    finally:
-        lines.put(_EOF)
 
 
 def _proc_state(pid: int) -> str | None:
