@@ -9,6 +9,7 @@ record reads ``{"event": "complete", "request_id": ..., "source": ...}``.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 from typing import Any, NamedTuple
@@ -51,15 +52,17 @@ class Journal:
     written to stderr, as ``logging.Handler.handleError`` does.
     """
 
-    __slots__ = ("_logger", "errors")
+    __slots__ = ("_lock", "_logger", "errors")
 
-    errors: int  # records lost to a failing sink; only ever grows
+    errors: int  # records lost to a failing sink; only ever grows, under _lock
+    _lock: threading.Lock  # makes "count, and warn if first" one step
 
     def __init__(self, logger: Any = None) -> None:
         # A structlog lazy proxy: it honours whatever configuration the
         # application installs later, including after this object exists.
         self._logger: Any = logger if logger is not None else structlog.get_logger(LOGGER_NAME)
         self.errors = 0
+        self._lock = threading.Lock()
 
     def transition(self, request_id: str, rec: TransitionRecord) -> None:
         try:
@@ -100,8 +103,12 @@ class Journal:
             self._lost(request_id)
 
     def _lost(self, request_id: str) -> None:
-        self.errors += 1  # a racy increment can only undercount, never hide all
-        if self.errors == 1:
+        # Read-after-increment without the lock let two racing losses both
+        # read 2, and the only warning was never printed.
+        with self._lock:
+            self.errors += 1
+            first = self.errors == 1
+        if first:
             print(
                 f"kvguard: journal record for {request_id!r} lost "
                 f"(further failures are only counted in Journal.errors):",

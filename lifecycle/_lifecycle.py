@@ -1,9 +1,9 @@
 """RequestLifecycle: one request's position in the transition table.
 
 Thread-safe and cheap: no per-request ``transitions.Machine`` (it costs
-~100 us and ~9 KB); events dispatch through ``DISPATCH``, which is read back
-from the shared reference machine. Nothing here does I/O except the journal
-call, which happens outside the lock.
+~100 us and ~9 KB); events dispatch through the plain dict ``DISPATCH``.
+Nothing here does I/O except the journal call and the done-callbacks, which
+run outside the lock.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import structlog
 
 from ._journal import DEFAULT_JOURNAL, LOGGER_NAME, Journal, TransitionRecord
-from ._table import DISPATCH, TERMINAL, Event, FailureReason, TransferState
+from ._table import DISPATCH, GUARDS, TERMINAL, Event, FailureReason, TransferState
 
-__all__ = ["DoneCallback", "InvalidTransition", "RequestLifecycle"]
+__all__ = ["DoneCallback", "InvalidTransition", "Outcome", "RequestLifecycle"]
 
 DoneCallback = Callable[["RequestLifecycle"], object]
 
@@ -36,6 +36,22 @@ class InvalidTransition(RuntimeError):
         super().__init__(f"{msg} ({detail})" if detail else msg)
 
 
+class Outcome(NamedTuple):
+    """Where a request stands, published as one immutable record.
+
+    A reader takes the whole record in one attribute read, so it can never
+    see FAILED without its reason and error (they used to be three stores).
+    """
+
+    state: TransferState
+    reason: FailureReason | None = None  # not None exactly when state is FAILED
+    error: BaseException | None = None  # only with FAILED: the winning fail()'s error
+
+
+# Outcomes without a reason are the same every time: share them.
+_PLAIN: dict[TransferState, Outcome] = {s: Outcome(s) for s in TransferState}
+
+
 class RequestLifecycle:
     """PENDING -> TRANSFERRING -> DONE | FAILED, with bounded retries.
 
@@ -49,14 +65,12 @@ class RequestLifecycle:
         "_attempt",
         "_callbacks",
         "_done",
-        "_error",
         "_history",
         "_journal",
         "_lock",
-        "_reason",
+        "_outcome",
         "_settled",
         "_settler",
-        "_state",
         "max_attempts",
         "request_id",
     )
@@ -64,10 +78,8 @@ class RequestLifecycle:
     request_id: str
     max_attempts: int  # >= 1; retry() is allowed only while _attempt < max_attempts
     _lock: threading.Lock  # guards every field below that an event mutates
-    _state: TransferState  # once in TERMINAL, never changes again (I1)
+    _outcome: Outcome  # replaced whole, never mutated; once terminal, never replaced (I1)
     _attempt: int  # number of start() calls; 0 <= _attempt <= max_attempts
-    _reason: FailureReason | None  # set exactly when _state is FAILED; first cause wins
-    _error: BaseException | None  # the error given with the winning fail(), if any
     _history: list[TransitionRecord]  # a path through DISPATCH; exactly one terminal record
     _callbacks: list[DoneCallback] | None  # pending done-callbacks; None once they have run
     _settled: bool  # terminal AND its done-callbacks have run; wait() returns from here
@@ -85,10 +97,8 @@ class RequestLifecycle:
         self.request_id = request_id
         self.max_attempts = max_attempts
         self._lock = threading.Lock()
-        self._state = TransferState.PENDING
+        self._outcome = _PLAIN[TransferState.PENDING]
         self._attempt = 0
-        self._reason = None
-        self._error = None
         self._history = []
         self._callbacks = []
         self._settled = False
@@ -99,20 +109,25 @@ class RequestLifecycle:
     # -- read-only views --------------------------------------------------
 
     @property
+    def outcome(self) -> Outcome:
+        """State, reason and error as one consistent snapshot."""
+        return self._outcome
+
+    @property
     def state(self) -> TransferState:
-        return self._state
+        return self._outcome.state
 
     @property
     def is_terminal(self) -> bool:
-        return self._state in TERMINAL
+        return self._outcome.state in TERMINAL
 
     @property
     def reason(self) -> FailureReason | None:
-        return self._reason
+        return self._outcome.reason
 
     @property
     def error(self) -> BaseException | None:
-        return self._error
+        return self._outcome.error
 
     @property
     def attempt(self) -> int:
@@ -123,9 +138,10 @@ class RequestLifecycle:
         return tuple(self._history)
 
     def __repr__(self) -> str:
-        extra = f" reason={self._reason.name}" if self._reason is not None else ""
+        state, reason, _ = self._outcome
+        extra = f" reason={reason.name}" if reason is not None else ""
         return (
-            f"<RequestLifecycle {self.request_id!r} {self._state.name} "
+            f"<RequestLifecycle {self.request_id!r} {state.name} "
             f"attempt={self._attempt}/{self.max_attempts}{extra}>"
         )
 
@@ -149,7 +165,7 @@ class RequestLifecycle:
         self, event: Event, reason: FailureReason | None, error: BaseException | None
     ) -> bool:
         with self._lock:
-            source = self._state
+            source = self._outcome.state
             if source in TERMINAL:
                 attempt = self._attempt
                 ignored = True
@@ -159,45 +175,82 @@ class RequestLifecycle:
                     dest, guard = DISPATCH[(source, event)]
                 except KeyError:
                     raise InvalidTransition(self.request_id, source, event) from None
-                # The only guard in the table; GUARDS names it for the diagram.
-                if guard is not None and not self._attempt < self.max_attempts:
+                if guard is not None and not GUARDS[guard].allows(self._attempt, self.max_attempts):
                     raise InvalidTransition(
                         self.request_id,
                         source,
                         event,
-                        f"no attempts left: {self._attempt} of {self.max_attempts} used",
+                        f"guard {guard} ({GUARDS[guard].text}) is false: "
+                        f"{self._attempt} of {self.max_attempts} attempts used",
                     )
                 if event is Event.START:
                     self._attempt += 1
                 attempt = self._attempt
                 rec = TransitionRecord(event, source, dest, time.monotonic(), reason, attempt)
                 self._history.append(rec)
-                self._state = dest
+                if dest is TransferState.FAILED:
+                    self._outcome = Outcome(dest, reason, error)  # one store: atomic
+                else:
+                    self._outcome = _PLAIN[dest]
                 if dest in TERMINAL:
-                    self._reason = reason
-                    self._error = error
                     callbacks, self._callbacks = self._callbacks, None
                 else:
                     callbacks = None
         if ignored:
             self._journal.ignored(self.request_id, event, source, attempt, reason)
             return False
-        self._journal.transition(self.request_id, rec)  # contains its own errors
-        if callbacks is None:
-            return True
-        # Callbacks first, then waiters: a waiter that returns sees their
-        # effects (e.g. the scheduler's poll() already has the request).
-        self._settler = threading.get_ident()
+        interrupt: BaseException | None = None
         try:
-            for fn in callbacks:
-                _run_callback(fn, self)
-        finally:
-            with self._lock:
-                self._settled = True
-                done = self._done
-            if done is not None:
-                done.set()
+            self._journal.transition(self.request_id, rec)  # contains its own errors
+        except BaseException as exc:  # Ctrl-C in a sink: settle first, then raise it
+            interrupt = exc
+        if callbacks is not None:
+            interrupt = self._settle(callbacks, interrupt)
+        if interrupt is not None:
+            raise interrupt
         return True
+
+    def _settle(
+        self, callbacks: list[DoneCallback], interrupt: BaseException | None
+    ) -> BaseException | None:
+        """Run every done-callback exactly once, then release the waiters.
+
+        Callbacks first, then waiters: a waiter that returns sees their
+        effects (e.g. the scheduler's poll() already has the request). A
+        BaseException from one callback does not skip the next: the first
+        one (``interrupt`` if already set) is returned for the caller to
+        raise once the request is settled; later ones are logged.
+        """
+        self._settler = threading.get_ident()
+        for fn in callbacks:
+            try:
+                _run_callback(fn, self)
+            except BaseException as exc:
+                if interrupt is None:
+                    interrupt = exc
+                else:
+                    _log_callback_error(fn, self)
+        with self._lock:
+            self._settled = True
+            done = self._done
+        if done is not None:
+            done.set()
+        return interrupt
+
+    def _fail_nowait(self, reason: FailureReason) -> None:
+        """fail() for finalizers: never blocks this thread.
+
+        The garbage collector runs finalizers wherever it runs, possibly in
+        a thread that holds this request's lock up-stack, where a blocking
+        fail() would deadlock. When the lock is busy, another thread waits.
+        """
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            self.fail(reason)
+        else:
+            threading.Thread(
+                target=self.fail, args=(reason,), name="kvguard-finalize", daemon=True
+            ).start()
 
     # -- completion ---------------------------------------------------------
 
@@ -205,7 +258,10 @@ class RequestLifecycle:
         """Call ``fn(self)`` exactly once, after the terminal transition.
 
         Runs at once (in this thread) if the request is already terminal,
-        otherwise in the thread that makes the terminal transition.
+        otherwise in the thread that makes the terminal transition. An
+        Exception it raises is logged; a BaseException (KeyboardInterrupt,
+        SystemExit) reaches the thread that ran it, after the other
+        callbacks have run and the request is settled.
         """
         with self._lock:
             if self._callbacks is not None:
@@ -220,15 +276,21 @@ class RequestLifecycle:
         run, even to a waiter that arrives while they run.
         """
         if self._settled or self._settler == threading.get_ident():
-            return self._state  # a done-callback waiting on its own request
+            return self._outcome.state  # a done-callback waiting on its own request
         with self._lock:
             if self._settled:
-                return self._state
+                return self._outcome.state
             if self._done is None:
                 self._done = threading.Event()
             done = self._done
         done.wait(timeout)
-        return self._state
+        return self._outcome.state
+
+
+def _log_callback_error(fn: DoneCallback, lc: RequestLifecycle) -> None:
+    structlog.get_logger(LOGGER_NAME).exception(
+        "done_callback_failed", request_id=lc.request_id, callback=repr(fn)
+    )
 
 
 def _run_callback(fn: DoneCallback, lc: RequestLifecycle) -> None:
@@ -236,6 +298,4 @@ def _run_callback(fn: DoneCallback, lc: RequestLifecycle) -> None:
     try:
         fn(lc)
     except Exception:
-        structlog.get_logger(LOGGER_NAME).exception(
-            "done_callback_failed", request_id=lc.request_id, callback=repr(fn)
-        )
+        _log_callback_error(fn, lc)

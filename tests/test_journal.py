@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,10 +19,13 @@ from structlog.testing import capture_logs
 from lifecycle import (
     LOGGER_NAME,
     CompletionGuard,
+    Event,
     FailureReason,
     InvalidTransition,
     Journal,
     RequestLifecycle,
+    TransferState,
+    TransitionRecord,
 )
 
 KEYS = {"event", "request_id", "source", "dest", "reason", "attempt", "ts", "log_level"}
@@ -229,3 +233,74 @@ def test_importing_and_using_lifecycle_does_not_configure_structlog() -> None:
         "handlers_unchanged": True,
         "state": "FAILED",
     }
+
+
+# -- issue 10 item 6h: the first loss is always reported ---------------------------------------
+
+
+class _RaisingLogger:
+    def __getattr__(self, name: str) -> Any:
+        def log(*args: object, **kw: object) -> None:
+            raise OSError("log disk full")
+
+        return log
+
+
+def test_racing_losses_still_print_the_one_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    # Thread A loses a record and is paused right after its first statement
+    # in the error path; thread B loses one meanwhile. With a read-after-
+    # increment both saw errors == 2 and nobody printed the warning.
+    journal = Journal(_RaisingLogger())
+    lost = Journal._lost.__code__
+    b_may_run = threading.Event()
+    b_done = threading.Event()
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        if frame.f_code is not lost:
+            return None
+        lines = [0]
+
+        def local(frame: Any, event: str, arg: object) -> Any:
+            if event == "line":
+                lines[0] += 1
+                if lines[0] == 2:  # after the first statement
+                    b_may_run.set()
+                    b_done.wait(0.5)  # B may be blocked behind us: do not wait forever
+            return local
+
+        return local
+
+    def a() -> None:
+        sys.settrace(tracer)
+        try:
+            journal.ignored("a", Event.COMPLETE, TransferState.DONE, 1, None)
+        finally:
+            sys.settrace(None)
+
+    def b() -> None:
+        assert b_may_run.wait(5)
+        journal.ignored("b", Event.COMPLETE, TransferState.DONE, 1, None)
+        b_done.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    err = capsys.readouterr().err
+    assert journal.errors == 2
+    assert err.count("kvguard: journal record for") == 1
+    assert err.count("OSError: log disk full") == 1
+
+
+def test_every_later_loss_is_only_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    journal = Journal(_RaisingLogger())
+    rec = TransitionRecord(
+        Event.START, TransferState.PENDING, TransferState.TRANSFERRING, 0.0, None, 1
+    )
+    for i in range(3):
+        journal.transition(f"r{i}", rec)
+    err = capsys.readouterr().err
+    assert journal.errors == 3
+    assert err.count("kvguard: journal record for 'r0' lost") == 1
+    assert "'r1'" not in err and "'r2'" not in err

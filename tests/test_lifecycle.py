@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -206,7 +207,15 @@ def test_retry_with_no_attempts_left_raises_and_changes_nothing() -> None:
         lc.retry()
     msg = str(info.value)
     assert "r1" in msg and "TRANSFERRING" in msg and "'retry'" in msg
-    assert "no attempts left" in msg and "1 of 1" in msg
+    assert msg == (
+        "request 'r1': event 'retry' is not allowed in state TRANSFERRING "
+        "(guard attempts_left (attempt < max_attempts) is false: 1 of 1 attempts used)"
+    )
+    assert (info.value.request_id, info.value.state, info.value.event) == (
+        "r1",
+        S.TRANSFERRING,
+        Event.RETRY,
+    )
     assert snapshot(lc) == before
     # The request is still usable: it can complete or fail normally.
     assert lc.complete() is True
@@ -619,3 +628,132 @@ def test_a_done_callback_may_wait_on_its_own_request() -> None:
     assert lc.fail(FailureReason.ABORTED) is True
     assert seen == [S.FAILED]
     assert time.monotonic() - t0 < 1.0
+
+
+# -- issue 10 item 6: edge cases found in review ------------------------------------------
+
+
+class _InterruptedJournal(Journal):
+    """A sink interrupted (Ctrl-C, SystemExit) while writing the terminal record."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(_BrokenLogger())
+        self.exc = exc
+
+    def transition(self, request_id: str, rec: Any) -> None:
+        if rec.dest in (S.DONE, S.FAILED):
+            raise self.exc
+
+
+@pytest.mark.parametrize("end", ["complete", "fail"])
+def test_a_base_exception_in_the_journal_still_settles_then_propagates(end: str) -> None:
+    # 6a: the BaseException used to skip the callbacks and never settle, so
+    # every later wait() blocked forever.
+    interrupt = KeyboardInterrupt("sink interrupted")
+    lc = RequestLifecycle("j-base", journal=_InterruptedJournal(interrupt))
+    lc.start()
+    calls: list[RequestLifecycle] = []
+    lc.add_done_callback(calls.append)
+    err = TimeoutError("deadline")
+    with pytest.raises(KeyboardInterrupt) as info:
+        lc.complete() if end == "complete" else lc.fail(FailureReason.TIMEOUT, err)
+    assert info.value is interrupt  # never swallowed, never wrapped
+    assert calls == [lc]  # the callbacks ran, exactly once
+    t0 = time.monotonic()
+    expected = S.DONE if end == "complete" else S.FAILED
+    assert lc.wait(5) is expected
+    assert time.monotonic() - t0 < 1.0  # settled: no waiter blocks
+    if end == "complete":
+        assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+    else:
+        assert (lc.state, lc.reason, lc.error) == (S.FAILED, FailureReason.TIMEOUT, err)
+    assert lc.fail(FailureReason.ABORTED) is False  # terminal, absorbing
+    assert calls == [lc]
+
+
+def test_a_base_exception_in_a_done_callback_runs_the_rest_then_propagates() -> None:
+    # 6b: every callback runs exactly once; the first BaseException is
+    # re-raised to the thread that made the terminal transition once the
+    # request is settled; later ones are logged, not lost.
+    lc = in_state(S.TRANSFERRING)
+    calls: list[str] = []
+    first = KeyboardInterrupt("first")
+    second = SystemExit(3)
+
+    def raiser(name: str, exc: BaseException) -> Callable[[RequestLifecycle], None]:
+        def cb(_: RequestLifecycle) -> None:
+            calls.append(name)
+            raise exc
+
+        return cb
+
+    lc.add_done_callback(lambda _: calls.append("a"))
+    lc.add_done_callback(raiser("interrupt", first))
+    lc.add_done_callback(lambda _: calls.append("b"))
+    lc.add_done_callback(raiser("exit", second))
+    lc.add_done_callback(raiser("bug", RuntimeError("callback bug")))
+    lc.add_done_callback(lambda _: calls.append("c"))
+    with structlog.testing.capture_logs() as logs, pytest.raises(KeyboardInterrupt) as info:
+        lc.fail(FailureReason.PEER_LOST)
+    assert info.value is first
+    assert calls == ["a", "interrupt", "b", "exit", "bug", "c"]
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, FailureReason.PEER_LOST, None)
+    t0 = time.monotonic()
+    assert lc.wait(5) is S.FAILED
+    assert time.monotonic() - t0 < 1.0
+    failed = [e for e in logs if e["event"] == "done_callback_failed"]
+    assert [e["request_id"] for e in failed] == [lc.request_id] * 2  # SystemExit and the bug
+    assert all(e["exc_info"] is True for e in failed)
+    # The one callback added after the fact: its BaseException is its caller's.
+    with pytest.raises(KeyboardInterrupt):
+        lc.add_done_callback(raiser("late", first))
+    assert calls[-1] == "late"
+
+
+def _views(lc: RequestLifecycle) -> tuple[Any, ...]:
+    return (lc.state, lc.reason, lc.error)
+
+
+def _on_every_line(module_file: str, check: Callable[[], None]) -> Any:
+    """A tracer that runs ``check`` at every line of ``module_file``: what
+    another thread could observe at each point where the GIL can switch."""
+
+    def local(frame: Any, event: str, arg: object) -> Any:
+        if event in ("line", "return"):
+            check()
+        return local
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        return local if frame.f_code.co_filename == module_file else None
+
+    return tracer
+
+
+def test_state_reason_and_error_publish_atomically() -> None:
+    # 6c: a reader never sees FAILED without its reason and error, nor a
+    # reason or error on a request that is not FAILED.
+    import lifecycle._lifecycle as mod
+
+    lc = in_state(S.TRANSFERRING)
+    err = ConnectionResetError("peer gone")
+    seen: list[tuple[Any, ...]] = []
+
+    def check() -> None:
+        views = _views(lc)
+        if views[0] is S.FAILED and views[1:] != (FailureReason.PEER_LOST, err):
+            seen.append(views)
+        if views[0] is not S.FAILED and views[1:] != (None, None):
+            seen.append(views)
+        outcome = lc.outcome
+        if (outcome.state is S.FAILED) != (outcome.reason is not None):
+            seen.append(tuple(outcome))
+
+    old = sys.gettrace()
+    sys.settrace(_on_every_line(mod.__file__, check))
+    try:
+        assert lc.fail(FailureReason.PEER_LOST, err) is True
+    finally:
+        sys.settrace(old)
+    assert seen == []
+    assert tuple(lc.outcome) == (S.FAILED, FailureReason.PEER_LOST, err)
+    assert _views(lc) == (S.FAILED, FailureReason.PEER_LOST, err)
