@@ -9,7 +9,7 @@ path end in one of them. This package imports nothing from ``transfer`` or
 from ._diagram import render_markdown, render_mermaid
 from ._guard import EXIT_REASONS, CompletionGuard, exit_reason, guarded
 from ._journal import LOGGER_NAME, Journal, TransitionRecord
-from ._lifecycle import DoneCallback, InvalidTransition, RequestLifecycle
+from ._lifecycle import DoneCallback, InvalidTransition, Outcome, RequestLifecycle
 from ._table import (
     DISPATCH,
     GUARDS,
@@ -19,6 +19,7 @@ from ._table import (
     TRANSITIONS,
     Event,
     FailureReason,
+    Guard,
     TransferState,
     Transition,
 )
@@ -36,8 +37,10 @@ __all__ = [
     "DoneCallback",
     "Event",
     "FailureReason",
+    "Guard",
     "InvalidTransition",
     "Journal",
+    "Outcome",
     "RequestLifecycle",
     "TransferState",
     "Transition",

@@ -1,24 +1,50 @@
 """Generate docs/state-diagram.md from the transition table.
 
-The mermaid ``stateDiagram-v2`` and the markdown table both come from
-``TRANSITIONS`` so the picture cannot drift from the code; ``kvguard diagram
---check`` fails CI when the committed file is stale. ``counts`` labels each
-edge with how often it was taken (used by ``kvguard diagram --counts``).
+``transitions`` draws the mermaid ``stateDiagram-v2`` itself, from
+``REFERENCE_MACHINE``, the machine built from ``TRANSITIONS``: states, edges,
+guards (``show_conditions``) and the initial marker. Its flat mermaid graph
+does not mark final states, so the ``X --> [*]`` lines for ``TERMINAL`` are
+added here. Mermaid output needs no Graphviz. The markdown table comes from
+the same ``TRANSITIONS``; ``kvguard diagram --check`` fails CI when the
+committed file is stale. ``counts`` labels each edge with how often it was
+taken (used by ``kvguard diagram --counts``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from ._table import GUARDS, INITIAL, TERMINAL, TRANSITIONS, Event, TransferState
+from transitions.extensions.diagrams_mermaid import Graph
+
+from ._table import (
+    GUARDS,
+    INITIAL,
+    REFERENCE_MACHINE,
+    TERMINAL,
+    TRANSITIONS,
+    Event,
+    TransferState,
+)
 
 __all__ = ["render_markdown", "render_mermaid"]
 
 EdgeKey = tuple[TransferState, Event, TransferState]
 
 
-def _label(event: Event, guard: str | None) -> str:
-    return f"{event.value} [{guard}]" if guard else event.value
+class _Drawing(Graph):
+    """transitions' own mermaid drawing, each edge label followed by its count."""
+
+    def __init__(self, counts: Mapping[EdgeKey, int] | None) -> None:
+        self._counts = counts
+        super().__init__(REFERENCE_MACHINE)  # type: ignore[arg-type]  # stub wants the class
+
+    def _transition_label(self, tran: dict[str, Any]) -> str:
+        label: str = super()._transition_label(tran)
+        if self._counts is None:
+            return label
+        key = (TransferState[tran["source"]], Event(tran["trigger"]), TransferState[tran["dest"]])
+        return f"{label} ({self._counts.get(key, 0)})"
 
 
 def render_mermaid(
@@ -26,24 +52,20 @@ def render_mermaid(
     terminal_counts: Mapping[TransferState, int] | None = None,
 ) -> str:
     """A mermaid stateDiagram-v2: [*] marks the initial and terminal states."""
-    lines = ["stateDiagram-v2", f"    [*] --> {INITIAL.name}"]
-    for t in TRANSITIONS:
-        label = _label(t.event, t.guard)
-        if counts is not None:
-            label = f"{label} ({counts.get((t.source, t.event, t.dest), 0)})"
-        lines.append(f"    {t.source.name} --> {t.dest.name}: {label}")
+    # rstrip: transitions indents its blank separator lines.
+    lines = [line.rstrip() for line in _Drawing(counts).get_graph().source.splitlines()]
     for state in TransferState:
         if state in TERMINAL:
             if terminal_counts is not None:
-                lines.append(f"    {state.name}: {state.name} ({terminal_counts.get(state, 0)})")
-            lines.append(f"    {state.name} --> [*]")
+                lines.append(f"  {state.name}: {state.name} ({terminal_counts.get(state, 0)})")
+            lines.append(f"  {state.name} --> [*]")
     return "\n".join(lines) + "\n"
 
 
 def render_markdown() -> str:
     rows = "\n".join(
-        f"| {t.source.name} | `{t.event.value}` | {f'`{GUARDS[t.guard]}`' if t.guard else '-'} "
-        f"| {t.dest.name} |"
+        f"| {t.source.name} | `{t.event.value}` "
+        f"| {f'`{GUARDS[t.guard].text}`' if t.guard else '-'} | {t.dest.name} |"
         for t in TRANSITIONS
     )
     terminal = ", ".join(s.name for s in TransferState if s in TERMINAL)
@@ -54,7 +76,8 @@ def render_markdown() -> str:
 
 Initial state: {INITIAL.name}. Terminal and absorbing: {terminal} (any event on a
 terminal request changes nothing and returns False). Any (state, event) pair not
-listed below raises `InvalidTransition`.
+listed below raises `InvalidTransition`. The diagram is drawn by `transitions`
+(`GraphMachine`, mermaid engine) from the same table.
 
 ```mermaid
 {render_mermaid().rstrip()}

@@ -7,11 +7,17 @@ itself always propagates unchanged: the guard records, it never swallows.
 
 A request retried back to PENDING is not terminal, so a retry loop belongs
 inside one guarded scope, not around several.
+
+Exception groups (asyncio.TaskGroup): when every leaf maps to a typed reason
+(one other than WORKER_CRASHED), the group gets the first leaf's, depth
+first, as the first cause wins (I2); a single untyped leaf makes the group
+WORKER_CRASHED, since a bug must not hide behind a peer loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import functools
 import inspect
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator, Mapping
@@ -36,6 +42,10 @@ EXIT_REASONS: Mapping[type[BaseException], FailureReason] = {
 }
 
 
+# BaseExceptionGroup is a builtin from Python 3.11; on 3.10, () matches nothing.
+_GROUP: Any = getattr(builtins, "BaseExceptionGroup", ())
+
+
 def exit_reason(exc: BaseException | None) -> FailureReason:
     """The FailureReason a worker exit implies; see the module docstring."""
     if exc is None:
@@ -43,6 +53,11 @@ def exit_reason(exc: BaseException | None) -> FailureReason:
     reason = getattr(exc, "reason", None)
     if isinstance(reason, FailureReason):
         return reason
+    if isinstance(exc, _GROUP):
+        leaves = [exit_reason(leaf) for leaf in exc.exceptions]
+        if FailureReason.WORKER_CRASHED in leaves:
+            return FailureReason.WORKER_CRASHED
+        return leaves[0]
     for cls in type(exc).__mro__:
         found = EXIT_REASONS.get(cast(type[BaseException], cls))
         if found is not None:
@@ -95,11 +110,21 @@ class _Guarded:
     leaves its request terminal (I3). Every outcome of every call into the
     inner object goes through ``_exit``; the first one decides."""
 
-    __slots__ = ("_guard", "_over")
+    __slots__ = ("_guard", "_over", "_ran")
 
     def __init__(self, lc: RequestLifecycle) -> None:
-        self._guard = CompletionGuard(lc)
+        self._ran = False  # a call reached the inner worker: its own guard covers a drop
         self._over = False  # the guard has run; later calls pass straight through
+        self._guard = CompletionGuard(lc)
+
+    def __del__(self) -> None:
+        # Dropped before anything reached the worker: no frame of it ever
+        # ran, so no guard inside it ever will. A started one is finalized
+        # right after us and its own guard records ABORTED.
+        if not (self._ran or self._over):
+            lc = self._guard.lifecycle
+            if not lc.is_terminal:
+                lc._fail_nowait(FailureReason.WORKER_DROPPED)
 
     def _exit(self, exc: BaseException | None) -> None:
         if not self._over:
@@ -107,6 +132,7 @@ class _Guarded:
             self._guard.__exit__(None if exc is None else type(exc), exc, None)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._ran = True
         try:
             return fn(*args)
         except StopIteration:
@@ -117,6 +143,7 @@ class _Guarded:
             raise
 
     async def _acall(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        self._ran = True
         try:
             return await fn(*args)
         except StopAsyncIteration:
@@ -130,15 +157,19 @@ class _Guarded:
 class _GuardedGenerator(_Guarded, Generator[Any, Any, Any]):
     __slots__ = ("_gen",)
 
-    def __init__(self, lc: RequestLifecycle, gen: Generator[Any, Any, Any]) -> None:
+    def __init__(
+        self, lc: RequestLifecycle, gen: Generator[Any, Any, Any] | Coroutine[Any, Any, Any]
+    ) -> None:
         super().__init__(lc)
         self._gen = gen
 
     def send(self, value: Any) -> Any:
         return self._call(self._gen.send, value)
 
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        return self._call(self._gen.throw, typ, val, tb)
+    def throw(self, typ: Any, *legacy: Any) -> Any:
+        # Forwarded as given: asyncio's one-argument form must stay one
+        # argument (the three-argument form warns since Python 3.12).
+        return self._call(self._gen.throw, typ, *legacy)
 
     def close(self) -> None:
         self._call(self._gen.close)
@@ -164,8 +195,8 @@ class _GuardedAsyncGenerator(_Guarded, AsyncGenerator[Any, Any]):
     async def asend(self, value: Any) -> Any:
         return await self._acall(self._agen.asend, value)
 
-    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        return await self._acall(self._agen.athrow, typ, val, tb)
+    async def athrow(self, typ: Any, *legacy: Any) -> Any:
+        return await self._acall(self._agen.athrow, typ, *legacy)
 
     async def aclose(self) -> None:
         await self._acall(self._agen.aclose)
@@ -237,7 +268,9 @@ def guarded(
     async generator functions; the first argument must be the request's
     RequestLifecycle. For the last three the guard covers the worker from
     the moment it is created: closing or cancelling it before it ever ran
-    still fails its request (ABORTED).
+    still fails its request (ABORTED), and dropping it unstarted fails it
+    WORKER_DROPPED. A plain function that returns an awaitable returns a
+    coroutine instead, with the guard around awaiting it.
     """
     for matches, wrapper in _WRAPPERS:
         if matches(fn):
@@ -245,7 +278,22 @@ def guarded(
 
     @functools.wraps(fn)
     def run(lc: RequestLifecycle, *args: P.args, **kwargs: P.kwargs) -> R:
-        with CompletionGuard(lc):
-            return fn(lc, *args, **kwargs)
+        guard = CompletionGuard(lc)
+        try:
+            result = fn(lc, *args, **kwargs)
+        except BaseException as exc:
+            guard.__exit__(type(exc), exc, None)
+            raise
+        if inspect.isawaitable(result):
+            # The real worker is the awaitable (a callable object with an
+            # async __call__, a partial...): guard it, not this return.
+            return cast(R, _GuardedCoroutine(lc, _await_guarded(lc, result)))
+        guard.__exit__(None, None, None)
+        return result
 
     return cast(Callable[Concatenate[RequestLifecycle, P], R], run)
+
+
+async def _await_guarded(lc: RequestLifecycle, awaitable: Awaitable[Any]) -> Any:
+    async with CompletionGuard(lc):
+        return await awaitable

@@ -1,9 +1,9 @@
 """The transition table: the single source of truth for a request's lifecycle.
 
-Everything else is derived from ``TRANSITIONS``: the reference
-``transitions.Machine`` (``REFERENCE_MACHINE``), the fast dispatch table the
-hot path uses (``DISPATCH``, read back from that machine, not from the tuple),
-the generated diagram and the tests that walk the graph.
+Everything else is derived from ``TRANSITIONS`` and ``GUARDS``: the fast
+dispatch dict the hot path uses (``DISPATCH``), the ``transitions`` machine
+that draws the diagram (``REFERENCE_MACHINE``, a mermaid ``GraphMachine``)
+and the tests that walk the graph.
 
     PENDING --start--> TRANSFERRING --complete--> DONE
        |                  |   \\--retry--> PENDING   (while attempts remain)
@@ -18,10 +18,10 @@ production.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from transitions import Machine
+from transitions.extensions import GraphMachine
 
 __all__ = [
     "DISPATCH",
@@ -32,6 +32,7 @@ __all__ = [
     "TRANSITIONS",
     "Event",
     "FailureReason",
+    "Guard",
     "TransferState",
     "Transition",
 ]
@@ -60,6 +61,7 @@ class FailureReason(enum.Enum):
     ABORTED = "aborted"  # the caller aborted it, or its worker was cancelled
     WORKER_CRASHED = "worker_crashed"  # the worker raised
     WORKER_EXITED = "worker_exited"  # the worker returned without finishing it
+    WORKER_DROPPED = "worker_dropped"  # the worker was garbage-collected before it ever ran
     INVALID_REQUEST = "invalid_request"  # the request or its plan is malformed
     SHUTDOWN = "shutdown"  # the scheduler or process is shutting down
 
@@ -68,7 +70,14 @@ class Transition(NamedTuple):
     event: Event
     source: TransferState
     dest: TransferState
-    guard: str | None = None  # name of a predicate in GUARDS, or None
+    guard: str | None = None  # a key of GUARDS, or None
+
+
+class Guard(NamedTuple):
+    """A named condition on an edge: its rule lives here, next to its text."""
+
+    allows: Callable[[int, int], bool]  # (attempt, max_attempts) -> may the edge be taken
+    text: str  # the rule as the docs show it
 
 
 _S = TransferState
@@ -84,17 +93,42 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(Event.FAIL, _S.TRANSFERRING, _S.FAILED),
 )
 
-# Guard predicates over (attempt, max_attempts). Their names appear in the
-# table, in the reference machine's conditions and in the diagram.
-GUARDS: Mapping[str, str] = {
-    "attempts_left": "attempt < max_attempts",
+# Guard name -> its rule. RequestLifecycle evaluates exactly the predicate
+# named on the edge, so a new guard needs its own entry here (an unknown name
+# fails at import) and can never inherit another guard's rule.
+GUARDS: Mapping[str, Guard] = {
+    "attempts_left": Guard(
+        lambda attempt, max_attempts: attempt < max_attempts, "attempt < max_attempts"
+    ),
 }
 
 
-def _build_reference_machine() -> Machine:
+def _compile(
+    table: Iterable[Transition],
+) -> dict[tuple[TransferState, Event], tuple[TransferState, str | None]]:
+    """(state, event) -> (dest, guard name): the hot path's plain dict."""
+    out: dict[tuple[TransferState, Event], tuple[TransferState, str | None]] = {}
+    for t in table:
+        key = (t.source, t.event)
+        if key in out:
+            raise AssertionError(f"ambiguous transition {key!r}")
+        if t.guard is not None and t.guard not in GUARDS:
+            raise AssertionError(f"unknown guard {t.guard!r} on {t.event.value!r}")
+        out[key] = (t.dest, t.guard)
+    return out
+
+
+# (state, event) -> (dest, guard name or None). Anything missing is invalid.
+DISPATCH: Mapping[tuple[TransferState, Event], tuple[TransferState, str | None]] = _compile(
+    TRANSITIONS
+)
+
+
+def _build_reference_machine() -> GraphMachine:
     # One machine for the whole process, with no model: per-request machines
     # cost ~100 us and ~9 KB each, and add_model() is O(n) with strong refs.
-    return Machine(
+    # It is never triggered; it draws the diagram (mermaid needs no Graphviz).
+    return GraphMachine(
         model=None,
         states=[s.name for s in TransferState],
         initial=INITIAL.name,
@@ -109,39 +143,17 @@ def _build_reference_machine() -> Machine:
         ],
         auto_transitions=False,
         ignore_invalid_triggers=False,
+        graph_engine="mermaid",
+        show_conditions=True,
+        title="title: Request lifecycle",  # mermaid front matter
     )
 
 
-REFERENCE_MACHINE: Machine = _build_reference_machine()
-
-
-def _compile(
-    machine: Machine,
-) -> dict[tuple[TransferState, Event], tuple[TransferState, str | None]]:
-    """Read the (state, event) -> (dest, guard) map back out of the machine."""
-    table: dict[tuple[TransferState, Event], tuple[TransferState, str | None]] = {}
-    for name, ev in machine.events.items():
-        event = Event(name)
-        for source, edges in ev.transitions.items():
-            for edge in edges:
-                guards: list[str] = [str(c.func) for c in edge.conditions]
-                if len(guards) > 1 or (guards and guards[0] not in GUARDS):
-                    raise AssertionError(f"unsupported guard(s) {guards!r} on {name}")
-                key = (TransferState[source], event)
-                if key in table:
-                    raise AssertionError(f"ambiguous transition {key!r}")
-                table[key] = (TransferState[str(edge.dest)], guards[0] if guards else None)
-    return table
-
-
-# (state, event) -> (dest, guard name or None). Anything missing is invalid.
-DISPATCH: Mapping[tuple[TransferState, Event], tuple[TransferState, str | None]] = _compile(
-    REFERENCE_MACHINE
-)
+REFERENCE_MACHINE: GraphMachine = _build_reference_machine()
 
 
 def _validate() -> None:
-    for (source, event), _ in DISPATCH.items():
+    for source, event in DISPATCH:
         if source in TERMINAL:
             raise AssertionError(f"terminal state {source.name} has an outgoing {event.value!r}")
     # Every non-terminal state must be able to reach a terminal one.
@@ -158,8 +170,6 @@ def _validate() -> None:
         raise AssertionError(
             f"states that cannot reach a terminal state: {sorted(s.name for s in stranded)}"
         )
-    if len(DISPATCH) != len(TRANSITIONS):
-        raise AssertionError("reference machine and TRANSITIONS disagree")
 
 
 _validate()

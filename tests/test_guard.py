@@ -7,9 +7,12 @@ object the worker raised: the guard records, it never swallows or wraps.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections.abc
+import gc
+import warnings
 from collections.abc import AsyncGenerator, Callable, Generator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -565,3 +568,313 @@ def test_guarded_generator_closed_before_it_runs_is_terminal() -> None:
     lc = RequestLifecycle("pre")
     worker(lc).close()
     assert lc.is_terminal
+
+
+# -- issue 10 item 6: edge cases found in review ------------------------------------------
+
+
+def _gen_worker(lc: RequestLifecycle) -> Generator[int, object, None]:
+    lc.start()
+    yield 1
+
+
+async def _coro_worker(lc: RequestLifecycle) -> None:
+    lc.start()
+
+
+async def _agen_worker(lc: RequestLifecycle) -> AsyncGenerator[int, None]:
+    lc.start()
+    yield 1
+
+
+WORKER_KINDS = {"generator": _gen_worker, "coroutine": _coro_worker, "async_gen": _agen_worker}
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+@pytest.mark.parametrize("kind", WORKER_KINDS)
+def test_a_dropped_never_started_worker_is_worker_dropped(kind: str) -> None:
+    # 6d: no frame of the worker ever ran, so no guard inside it can; the
+    # wrapper's finalizer ends the request instead of leaving it PENDING.
+    worker = guarded(WORKER_KINDS[kind])
+    lc = RequestLifecycle(f"drop-{kind}")
+    w = worker(lc)
+    assert lc.state is S.PENDING  # armed, not yet run
+    del w
+    gc.collect()
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_DROPPED, None)
+    assert [rec.event for rec in lc.history] == [Event.FAIL]
+
+
+def test_a_dropped_started_generator_is_aborted_not_dropped() -> None:
+    lc = RequestLifecycle("drop-started")
+    w = guarded(_gen_worker)(lc)
+    assert next(w) == 1
+    del w
+    gc.collect()
+    assert (lc.state, lc.reason) == (S.FAILED, R.ABORTED)
+    assert isinstance(lc.error, GeneratorExit)
+
+
+def test_a_dropped_finished_worker_changes_nothing() -> None:
+    lc = RequestLifecycle("drop-done")
+
+    @guarded
+    def worker(lc: RequestLifecycle) -> Generator[int, object, None]:
+        lc.start()
+        lc.complete()
+        yield 1
+
+    w = worker(lc)
+    assert list(w) == [1]
+    del w
+    gc.collect()
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+    assert [rec.event for rec in lc.history] == [Event.START, Event.COMPLETE]
+
+
+def test_a_worker_dropped_while_its_lifecycle_is_locked_does_not_deadlock() -> None:
+    # The garbage collector may run the finalizer in a thread that holds the
+    # request's lock up-stack (in the middle of an event): it must not block.
+    lc = RequestLifecycle("drop-locked")
+    w = guarded(_gen_worker)(lc)
+    with lc._lock:
+        del w
+        gc.collect()
+        assert lc.state is S.PENDING  # handed to another thread, not blocked on
+    assert lc.wait(5) is S.FAILED
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_DROPPED, None)
+
+
+def test_a_dropped_worker_of_a_terminal_request_changes_nothing() -> None:
+    lc = RequestLifecycle("drop-aborted")
+    w = guarded(_gen_worker)(lc)
+    lc.fail(R.TIMEOUT)
+    del w
+    gc.collect()
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.TIMEOUT, None)
+    assert len(lc.history) == 1
+
+
+def test_guarded_sync_function_returning_an_awaitable_guards_the_awaitable() -> None:
+    # 6e: the guard used to exit when the function returned its coroutine,
+    # failing the request WORKER_EXITED before the coroutine ever ran.
+    async def body(lc: RequestLifecycle, n: int) -> int:
+        lc.start()
+        await asyncio.sleep(0)
+        lc.complete()
+        return n * 2
+
+    @guarded
+    def worker(lc: RequestLifecycle, n: int) -> collections.abc.Awaitable[int]:
+        return body(lc, n)
+
+    lc = RequestLifecycle("awaitable")
+    aw = worker(lc, 21)
+    assert (lc.state, lc.reason) == (S.PENDING, None)  # not failed before it runs
+    assert asyncio.run(aw) == 42  # type: ignore[arg-type]
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+
+
+@pytest.mark.parametrize("case", RAISING_EXITS[:5])
+def test_guarded_sync_function_returning_an_awaitable_every_exit(
+    case: tuple[Callable[[], BaseException], FailureReason],
+) -> None:
+    make_exc, reason = case
+    exc = make_exc()
+
+    async def body(lc: RequestLifecycle) -> None:
+        lc.start()
+        raise exc
+
+    @guarded
+    def worker(lc: RequestLifecycle) -> collections.abc.Awaitable[None]:
+        return body(lc)
+
+    lc = RequestLifecycle("awaitable-raise")
+
+    async def main() -> None:
+        await worker(lc)
+
+    with pytest.raises(type(exc)) as info:
+        asyncio.run(main())
+    assert info.value is exc
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, reason, exc)
+
+
+def test_guarded_sync_function_returning_an_awaitable_that_never_completes() -> None:
+    async def body(lc: RequestLifecycle) -> str:
+        lc.start()
+        return "forgot"
+
+    lc = RequestLifecycle("awaitable-exit")
+    assert asyncio.run(guarded(lambda lc: body(lc))(lc)) == "forgot"
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_EXITED, None)
+
+
+def test_guarded_sync_function_returning_a_plain_value_is_unchanged() -> None:
+    lc = RequestLifecycle("plain")
+    sentinel = object()
+    assert guarded(lambda lc: sentinel)(lc) is sentinel
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_EXITED, None)
+
+
+class _Spy(collections.abc.Generator[int, object, None]):
+    """A worker that records how it is thrown into."""
+
+    def __init__(self) -> None:
+        self.thrown: list[tuple[object, ...]] = []
+
+    def send(self, value: object) -> int:
+        return 1
+
+    def throw(self, *args: object) -> int:  # type: ignore[override]
+        self.thrown.append(args)
+        raise args[0]  # type: ignore[misc]
+
+
+class _ASpy(collections.abc.AsyncGenerator[int, None]):
+    def __init__(self) -> None:
+        self.thrown: list[tuple[object, ...]] = []
+
+    async def asend(self, value: object) -> int:
+        return 1
+
+    async def athrow(self, *args: object) -> int:  # type: ignore[override]
+        self.thrown.append(args)
+        raise args[0]  # type: ignore[misc]
+
+
+def test_throw_forwards_the_one_argument_form() -> None:
+    # 6f: the wrapper used to call throw(typ, None, None), deprecated since
+    # 3.12: under -W error the DeprecationWarning replaced the cancellation
+    # and the request was recorded WORKER_CRASHED instead of ABORTED.
+    from lifecycle._guard import _GuardedAsyncGenerator, _GuardedCoroutine
+
+    lc = RequestLifecycle("throw")
+    spy = _Spy()
+    w = _GuardedCoroutine(lc, spy)
+    cancel = asyncio.CancelledError()
+    with pytest.raises(asyncio.CancelledError) as info:
+        w.throw(cancel)
+    assert info.value is cancel
+    assert spy.thrown == [(cancel,)]
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.ABORTED, cancel)
+
+    lc = RequestLifecycle("athrow")
+    aspy = _ASpy()
+    aw = _GuardedAsyncGenerator(lc, aspy)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(aw.athrow(cancel))
+    assert aspy.thrown == [(cancel,)]
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.ABORTED, cancel)
+
+
+def test_throw_forwards_a_legacy_call_as_given() -> None:
+    from lifecycle._guard import _GuardedGenerator
+
+    lc = RequestLifecycle("throw3")
+    spy = _Spy()
+    exc = ValueError("x")
+    with pytest.raises(ValueError):
+        _GuardedGenerator(lc, spy).throw(ValueError, exc, None)
+    assert spy.thrown == [(ValueError, exc, None)]
+
+
+def test_cancelling_a_guarded_task_under_warnings_as_errors_is_aborted() -> None:
+    @guarded
+    async def worker(lc: RequestLifecycle) -> None:
+        lc.start()
+        await asyncio.sleep(30)
+
+    async def main(lc: RequestLifecycle) -> None:
+        task = asyncio.ensure_future(worker(lc))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    lc = RequestLifecycle("werror")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(main(lc))
+    assert (lc.state, lc.reason) == (S.FAILED, R.ABORTED)
+    assert isinstance(lc.error, asyncio.CancelledError)
+
+
+# Exception groups and TaskGroup are Python >= 3.11 (the package supports 3.10).
+ExceptionGroup: Any = getattr(builtins, "ExceptionGroup", None)
+BaseExceptionGroup: Any = getattr(builtins, "BaseExceptionGroup", None)
+needs_groups = pytest.mark.skipif(ExceptionGroup is None, reason="needs Python >= 3.11")
+
+
+def _typed(reason: FailureReason) -> BaseException:
+    return ReasonedError(reason)
+
+
+@needs_groups
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        # Every leaf typed and agreeing: that reason.
+        (lambda: ExceptionGroup("g", [_typed(R.PEER_LOST)]), R.PEER_LOST),
+        (lambda: ExceptionGroup("g", [_typed(R.PEER_LOST), _typed(R.PEER_LOST)]), R.PEER_LOST),
+        (
+            lambda: ExceptionGroup("g", [ExceptionGroup("inner", [_typed(R.TIMEOUT)])]),
+            R.TIMEOUT,
+        ),
+        (lambda: BaseExceptionGroup("g", [KeyboardInterrupt()]), R.SHUTDOWN),
+        (lambda: BaseExceptionGroup("g", [asyncio.CancelledError()]), R.ABORTED),
+        # Typed leaves that disagree: the first leaf, depth first (first cause wins).
+        (lambda: ExceptionGroup("g", [_typed(R.TIMEOUT), _typed(R.PEER_LOST)]), R.TIMEOUT),
+        (
+            lambda: ExceptionGroup(
+                "g", [ExceptionGroup("inner", [_typed(R.PEER_LOST)]), _typed(R.TIMEOUT)]
+            ),
+            R.PEER_LOST,
+        ),
+        (lambda: BaseExceptionGroup("g", [SystemExit(1), _typed(R.ABORTED)]), R.SHUTDOWN),
+        # Any untyped leaf: a crash, wherever it is.
+        (lambda: ExceptionGroup("g", [_typed(R.PEER_LOST), RuntimeError("bug")]), R.WORKER_CRASHED),
+        (lambda: ExceptionGroup("g", [RuntimeError("bug"), _typed(R.PEER_LOST)]), R.WORKER_CRASHED),
+        (
+            lambda: ExceptionGroup(
+                "g", [_typed(R.PEER_LOST), ExceptionGroup("inner", [ValueError()])]
+            ),
+            R.WORKER_CRASHED,
+        ),
+        # The group's own reason wins over its leaves.
+        (
+            lambda: _with_reason(ExceptionGroup("g", [_typed(R.PEER_LOST)]), R.INVALID_REQUEST),
+            R.INVALID_REQUEST,
+        ),
+    ],
+)
+def test_exit_reason_of_an_exception_group(
+    make: Callable[[], BaseException], reason: FailureReason
+) -> None:
+    # 6g: a group used to be WORKER_CRASHED whatever it held.
+    exc = make()
+    assert exit_reason(exc) is reason
+    lc = started()
+    assert run_guarded(lc, exc) is exc
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, reason, exc)
+
+
+@needs_groups
+def test_a_task_group_failing_with_peer_lost_is_peer_lost() -> None:
+    @guarded
+    async def worker(lc: RequestLifecycle) -> None:
+        lc.start()
+
+        async def push() -> None:
+            await asyncio.sleep(0)
+            raise ReasonedError(R.PEER_LOST)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(push())
+            tg.create_task(asyncio.sleep(30))  # cancelled by the group: not a leaf
+
+    lc = RequestLifecycle("tg")
+    with pytest.raises(ExceptionGroup) as info:
+        asyncio.run(worker(lc))
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.PEER_LOST, info.value)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transitions import Machine, MachineError
+from transitions.extensions import GraphMachine
 
 import lifecycle
 from lifecycle import (
@@ -26,9 +27,11 @@ from lifecycle import (
     TRANSITIONS,
     Event,
     FailureReason,
+    Guard,
     InvalidTransition,
     RequestLifecycle,
     TransferState,
+    Transition,
     _table,
     render_markdown,
     render_mermaid,
@@ -51,6 +54,7 @@ def test_public_enums() -> None:
         "ABORTED",
         "WORKER_CRASHED",
         "WORKER_EXITED",
+        "WORKER_DROPPED",
         "INVALID_REQUEST",
         "SHUTDOWN",
     }
@@ -158,30 +162,52 @@ def test_validate_accepts_the_real_table() -> None:
     _table._validate()
 
 
-def _machine(transitions: list[dict[str, Any]]) -> Machine:
-    return Machine(
-        model=None,
-        states=[s.name for s in TransferState],
-        initial="PENDING",
-        transitions=transitions,
-        auto_transitions=False,
-    )
+def test_compile_rejects_ambiguous_transitions_and_unknown_guards() -> None:
+    fail = Transition(Event.FAIL, S.PENDING, S.FAILED)
+    with pytest.raises(AssertionError, match=r"ambiguous transition \(<TransferState.PENDING"):
+        _table._compile([fail, fail._replace(dest=S.DONE)])
+    unknown = Transition(Event.RETRY, S.TRANSFERRING, S.PENDING, guard="x")
+    with pytest.raises(AssertionError, match="unknown guard 'x' on 'retry'"):
+        _table._compile([unknown])
+    assert _table._compile(TRANSITIONS) == dict(DISPATCH)
 
 
-def test_compile_rejects_ambiguous_and_unknown_guards() -> None:
-    ambiguous = _machine(
-        [
-            {"trigger": "fail", "source": "PENDING", "dest": "FAILED"},
-            {"trigger": "fail", "source": "PENDING", "dest": "DONE"},
-        ]
-    )
-    with pytest.raises(AssertionError, match="ambiguous"):
-        _table._compile(ambiguous)
-    unknown = _machine(
-        [{"trigger": "retry", "source": "TRANSFERRING", "dest": "PENDING", "conditions": "x"}]
-    )
-    with pytest.raises(AssertionError, match="unsupported guard"):
-        _table._compile(unknown)
+# -- guards: each edge is checked by exactly its own predicate --------------------------------
+
+
+def test_the_attempts_guard_rule() -> None:
+    allows = GUARDS["attempts_left"].allows
+    assert [allows(a, 2) for a in range(4)] == [True, True, False, False]
+    assert GUARDS["attempts_left"].text == "attempt < max_attempts"
+
+
+@pytest.mark.parametrize("verdict", [True, False])
+def test_a_new_guard_gets_its_own_rule_not_the_attempts_rule(
+    monkeypatch: Any, verdict: bool
+) -> None:
+    # Before, _fire hard-coded the attempts rule for any guard: a second
+    # guard would silently have been "attempt < max_attempts".
+    import lifecycle._lifecycle as lc_mod
+
+    seen: list[tuple[int, int]] = []
+
+    def rule(attempt: int, max_attempts: int) -> bool:
+        seen.append((attempt, max_attempts))
+        return verdict
+
+    guards = {**GUARDS, "custom": Guard(rule, "custom rule")}
+    dispatch = {**DISPATCH, (S.PENDING, Event.COMPLETE): (S.DONE, "custom")}
+    monkeypatch.setattr(lc_mod, "GUARDS", guards)
+    monkeypatch.setattr(lc_mod, "DISPATCH", dispatch)
+    lc = RequestLifecycle("g", max_attempts=3)  # the attempts rule would allow it
+    if verdict:
+        assert lc.complete() is True
+        assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+    else:
+        with pytest.raises(InvalidTransition, match=r"guard custom \(custom rule\) is false"):
+            lc.complete()
+        assert (lc.state, lc.reason, lc.error) == (S.PENDING, None, None)
+    assert seen == [(0, 3)]
 
 
 # -- DISPATCH behaves like a real transitions model --------------------------------------------
@@ -275,16 +301,22 @@ def test_committed_diagram_matches_the_table() -> None:
 def test_mermaid_marks_initial_terminal_and_every_edge() -> None:
     text = render_mermaid()
     lines = text.splitlines()
-    assert lines[0] == "stateDiagram-v2"
-    assert "    [*] --> PENDING" in lines
-    assert "    DONE --> [*]" in lines
-    assert "    FAILED --> [*]" in lines
-    assert "    PENDING --> [*]" not in lines and "    TRANSFERRING --> [*]" not in lines
+    assert lines[:4] == ["---", "title: Request lifecycle", "---", "stateDiagram-v2"]
+    assert text.endswith("  FAILED --> [*]\n")
+    assert "  [*] --> PENDING" in lines
+    assert "  DONE --> [*]" in lines
+    assert "  FAILED --> [*]" in lines
+    assert "  PENDING --> [*]" not in lines and "  TRANSFERRING --> [*]" not in lines
     for t in TRANSITIONS:
         label = f"{t.event.value} [{t.guard}]" if t.guard else t.event.value
-        assert f"    {t.source.name} --> {t.dest.name}: {label}" in lines
+        assert f"  {t.source.name} --> {t.dest.name}: {label}" in lines
     edges = [ln for ln in lines if "-->" in ln and "[*]" not in ln]
     assert len(edges) == len(TRANSITIONS)
+    for state in TransferState:  # drawn by transitions, none styled active
+        assert f'  state "{state.name}" as {state.name}' in lines
+        assert f"  Class {state.name} s_default" in lines
+    assert all(ln == ln.rstrip() for ln in lines)
+    assert not any(": " in ln and "(" in ln for ln in lines)  # no counts
 
 
 def test_markdown_table_lists_every_transition_with_its_guard() -> None:
@@ -299,10 +331,25 @@ def test_markdown_table_lists_every_transition_with_its_guard() -> None:
 def test_mermaid_counts_label_edges_and_terminals() -> None:
     counts = {(S.PENDING, Event.START, S.TRANSFERRING): 7}
     text = render_mermaid(counts, {S.DONE: 5})
-    assert "    PENDING --> TRANSFERRING: start (7)" in text
-    assert "    TRANSFERRING --> DONE: complete (0)" in text
-    assert "    DONE: DONE (5)" in text
-    assert "    FAILED: FAILED (0)" in text
+    lines = text.splitlines()
+    assert "  PENDING --> TRANSFERRING: start (7)" in lines
+    assert "  TRANSFERRING --> DONE: complete (0)" in lines
+    assert "  TRANSFERRING --> PENDING: retry [attempts_left] (0)" in lines
+    assert lines[-4:] == [
+        "  DONE: DONE (5)",
+        "  DONE --> [*]",
+        "  FAILED: FAILED (0)",
+        "  FAILED --> [*]",
+    ]
+    assert "PENDING: PENDING" not in text and "TRANSFERRING: TRANSFERRING" not in text
+    # Edge counts alone, or terminal counts alone.
+    only_edges = render_mermaid(counts)
+    assert "  PENDING --> TRANSFERRING: start (7)" in only_edges
+    assert "DONE: DONE" not in only_edges
+    only_terminals = render_mermaid(None, {S.FAILED: 2}).splitlines()
+    assert "  FAILED: FAILED (2)" in only_terminals
+    assert "  DONE: DONE (0)" in only_terminals
+    assert "  PENDING --> TRANSFERRING: start" in only_terminals
 
 
 def test_diagram_check_fails_on_stale_file_and_passes_after_regenerating(
@@ -358,6 +405,32 @@ def test_public_names_are_exported() -> None:
         "RequestLifecycle",
         "CompletionGuard",
         "InvalidTransition",
+        "Outcome",
+        "Guard",
     ):
         assert name in lifecycle.__all__
         assert hasattr(lifecycle, name)
+
+
+_NO_GRAPHVIZ = """
+import sys
+sys.modules["graphviz"] = None  # any import of it now fails
+sys.modules["pygraphviz"] = None
+from lifecycle import render_markdown
+sys.stdout.write(render_markdown())
+"""
+
+
+def test_the_mermaid_diagram_needs_nothing_beyond_transitions() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_GRAPHVIZ], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == render_markdown()
+    assert proc.stderr == ""
+
+
+def test_the_reference_machine_is_a_mermaid_graph_machine() -> None:
+    assert isinstance(REFERENCE_MACHINE, GraphMachine)
+    assert REFERENCE_MACHINE.show_conditions is True
+    assert REFERENCE_MACHINE.graph_cls.__module__ == "transitions.extensions.diagrams_mermaid"
