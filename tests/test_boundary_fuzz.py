@@ -1,23 +1,24 @@
 """Fuzz the transport boundary: what a peer sends, and the plans built from it.
 
 Whatever arrives -- random bytes, valid messages with one field corrupted,
-command lines of any shape, plans against a peer whose regions do not match
-its buffers -- the outcome is either a valid value or a typed rejection
-(PeerProtocolError, InvalidPlan, RemoteRangeRejected). Nothing crashes, the
-receiver keeps serving, and an accepted plan writes exactly the requested
-destination blocks: not one byte elsewhere.
+requests of any shape, plans against a peer whose regions do not match its
+buffers -- the outcome is either a valid value or a typed rejection
+(PeerProtocolError, InvalidPlan, RemoteRangeRejected) naming what is wrong.
+Nothing crashes, the receiver keeps serving, and an accepted plan writes
+exactly the requested destination blocks: not one byte elsewhere. The
+channel itself (frames, ids, deadlines) is tested in test_control_channel.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
-import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 import torch
@@ -38,10 +39,16 @@ from transfer import (
     build_plan,
 )
 from transfer.peer_protocol import (
-    COMMANDS,
-    MAX_MESSAGE_BYTES,
+    DIGEST_SIZE,
+    MAX_ADDR,
+    MAX_LIST_LEN,
+    MAX_PEER_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
     MAX_SESSION_ID_LEN,
-    parse_command,
+    ChecksumRequest,
+    ErrorReply,
+    decode_reply,
+    parse_request,
     peer_info_from_message,
     peer_info_to_message,
 )
@@ -50,21 +57,23 @@ from transfer.receiver import ReceiverProcess
 LAYOUT = KVLayout(num_layers=1, num_blocks=8, block_bytes=32)  # K and V: 2 buffers
 SID = "10.0.0.2:15000"
 INT64 = 1 << 63
+REQUESTS = ("peer", "checksum", "zero", "ping")
 
 # Integers where parsers and int64 arithmetic break.
 EDGE_INTS = st.sampled_from(
     [0, 1, -1, 7, 8, 255, 4096, 2**31, 2**32, INT64 - 1, INT64, 2**64 - 1, 2**64, -(2**63)]
 )
-JSON_SCALARS = st.one_of(
+WIRE_INTS = st.one_of(EDGE_INTS.filter(lambda i: i < 2**64), st.integers(-(2**63), 2**64 - 1))
+WIRE_SCALARS = st.one_of(
     st.none(),
     st.booleans(),
-    st.integers(),
-    EDGE_INTS,
-    st.floats(allow_nan=False, allow_infinity=False),
+    WIRE_INTS,
+    st.floats(),
     st.text(max_size=20),
+    st.binary(max_size=20),
 )
-JSON_VALUES = st.recursive(
-    JSON_SCALARS,
+WIRE_VALUES = st.recursive(
+    WIRE_SCALARS,
     lambda inner: st.one_of(
         st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)
     ),
@@ -72,8 +81,12 @@ JSON_VALUES = st.recursive(
 )
 
 
+def pack(obj: object) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
 def _message_of(cache: KVCache) -> dict[str, Any]:
-    return dict(json.loads(peer_info_to_message(cache.peer_info(SID))))
+    return dict(msgspec.msgpack.decode(peer_info_to_message(cache.peer_info(SID))))
 
 
 def _check_accepted(info: PeerInfo) -> None:
@@ -82,10 +95,12 @@ def _check_accepted(info: PeerInfo) -> None:
     assert 0 < len(sid) <= MAX_SESSION_ID_LEN and sid.isascii() and sid.isprintable()
     assert not any(c.isspace() for c in sid)
     spans = sorted((r.base, r.end) for r in info.regions)
-    assert spans and all(type(b) is int and 1 <= b < e <= 2**64 for b, e in spans)
+    assert spans and all(type(b) is int and 1 <= b < e <= MAX_ADDR for b, e in spans)
     assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))
     assert len(info.block_base) == info.layout.num_buffers
     size = info.layout.buffer_bytes
+    buffers = sorted((b, b + size) for b in info.block_base)
+    assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(buffers))  # disjoint
     for base in info.block_base:
         assert type(base) is int
         assert any(r.contains(base, size) for r in info.regions)
@@ -94,13 +109,14 @@ def _check_accepted(info: PeerInfo) -> None:
 # -- the peer message -----------------------------------------------------------------
 
 
-@given(st.one_of(st.binary(max_size=300), st.text(max_size=300)))
+@given(st.one_of(st.binary(max_size=300), st.text(max_size=30)))
 @example(b"")
 @example(b"\xff\xfe\x00")
-@example("[" * 100_000)  # deep nesting
-@example('{"kvguard": 1e999}')
-@example("x" * (MAX_MESSAGE_BYTES + 1))
-def test_random_bytes_are_rejected_typed(raw: str | bytes) -> None:
+@example(b"\xc1")  # never used in msgpack
+@example(b"\x91" * 100_000)  # deep nesting
+@example(b"\xdd\xff\xff\xff\xff")  # a 4-billion-item list header, no items
+@example(b"x" * (MAX_PEER_MESSAGE_BYTES + 1))
+def test_random_bytes_are_rejected_typed(raw: Any) -> None:
     try:
         info = peer_info_from_message(raw)
     except PeerProtocolError:
@@ -136,22 +152,24 @@ def _set(msg: dict[str, Any], path: tuple[Any, ...], value: object) -> None:
 
 
 @st.composite
-def corrupted_messages(draw: st.DrawFn) -> str:
+def corrupted_messages(draw: st.DrawFn) -> bytes:
     """A valid peer message with one to three fields replaced, dropped or added."""
     msg = _message_of(KVCache(LAYOUT))
     for _ in range(draw(st.integers(1, 3))):
-        action = draw(st.sampled_from(["replace", "drop", "add", "shift"]))
+        action = draw(st.sampled_from(["replace", "drop", "add", "shift", "copy"]))
         path = draw(st.sampled_from(_PATHS))
         try:
             if action == "replace":
-                _set(msg, path, draw(JSON_VALUES))
+                _set(msg, path, draw(WIRE_VALUES))
             elif action == "drop":
                 target: Any = msg
                 for key in path[:-1]:
                     target = target[key]
                 del target[path[-1]]
             elif action == "add":
-                msg[draw(st.text(max_size=8))] = draw(JSON_VALUES)
+                msg[draw(st.text(max_size=8))] = draw(WIRE_VALUES)
+            elif action == "copy":  # one base or region where another is: overlap
+                msg["block_base"][1] = msg["block_base"][0]
             else:  # move an address or a length by a few bytes or a few blocks
                 target = msg
                 for key in path[:-1]:
@@ -160,11 +178,15 @@ def corrupted_messages(draw: st.DrawFn) -> str:
                     target[path[-1]] += draw(st.sampled_from([-4096, -32, -1, 1, 32, 4096]))
         except (KeyError, IndexError, TypeError):
             pass  # an earlier corruption removed the path: keep what we have
-    return json.dumps(msg)
+    try:
+        return pack(msg)
+    except OverflowError:  # shifted past what msgpack can carry
+        assume(False)
+        raise
 
 
 @given(corrupted_messages())
-def test_corrupted_peer_messages_are_rejected_typed_or_valid(raw: str) -> None:
+def test_corrupted_peer_messages_are_rejected_typed_or_valid(raw: bytes) -> None:
     try:
         info = peer_info_from_message(raw)
     except PeerProtocolError as exc:
@@ -173,50 +195,186 @@ def test_corrupted_peer_messages_are_rejected_typed_or_valid(raw: str) -> None:
     _check_accepted(info)
 
 
-# -- receiver commands ------------------------------------------------------------------
+def _spread(n: int, size: int) -> list[int]:
+    return [(1 << 40) + i * 2 * size for i in range(n)]
+
+
+DROP = object()  # a field to leave out
+# Mutation of a valid message (LAYOUT: 2 buffers of 256 bytes) -> the exact error.
+REJECTED: dict[str, tuple[dict[str, Any], str]] = {
+    "bool as int": ({"kvguard": True}, r"Expected `int`, got `bool` - at `\$\.kvguard`"),
+    "bool as block count": (
+        {"layout": {"num_layers": 1, "num_blocks": True, "block_bytes": 32}},
+        r"Expected `int`, got `bool` - at `\$\.layout\.num_blocks`",
+    ),
+    "wrong version": ({"kvguard": 2}, r"Invalid enum value 2 - at `\$\.kvguard`"),
+    "float address": ({"block_base": [1.5, 4096]}, r"got `float` - at `\$\.block_base\[0\]`"),
+    "str session id": ({"session_id": 12345}, r"Expected `str`, got `int` - at `\$\.session_id`"),
+    "session id with space": ({"session_id": "10.0.0.2 :1"}, r"matching regex .* `\$\.session_id`"),
+    "session id with newline": ({"session_id": "10.0.0.2:1\n"}, r"`\$\.session_id`"),
+    "session id too long": ({"session_id": "h" * 300}, r"length <= 256 - at `\$\.session_id`"),
+    "region not a pair": ({"regions": [[1, 2, 3]]}, r"length 2, got 3 - at `\$\.regions\[0\]`"),
+    "zero region length": ({"regions": [[4096, 0]]}, r">= 1 - at `\$\.regions\[0\]\[1\]`"),
+    "address past int64": (
+        {"block_base": [INT64, 1]},
+        r"<= 9223372036854775807 - at `\$\.block_base\[0\]`",
+    ),
+    "no regions": ({"regions": []}, r"length >= 1 - at `\$\.regions`"),
+    "wrong type tag": ({"type": "command"}, r"Invalid value 'command' - at `\$\.type`"),
+    "unknown field": ({"extra": 1}, r"unknown field `extra`"),
+    "null layout": ({"layout": None}, r"Expected `object`, got `None` - at `\$\.layout`"),
+    "missing field": ({"layout": DROP}, r"missing required field `layout`"),
+    "huge list": (
+        {"block_base": list(range(1, MAX_LIST_LEN + 2))},
+        r"length <= 65536 - at `\$\.block_base`",
+    ),
+    "too few bases": ({"block_base": [1 << 40]}, r"1 block bases for 2 buffers"),
+    "duplicate regions": (
+        {"regions": [[1 << 40, 1 << 20], [1 << 40, 1 << 20]], "block_base": _spread(2, 256)},
+        r"regions\[0\] and regions\[1\] overlap at 0x10000000000",
+    ),
+    "overlapping regions": (
+        {"regions": [[1 << 40, 4096], [(1 << 40) + 4095, 4096]], "block_base": _spread(2, 256)},
+        r"regions\[0\] and regions\[1\] overlap",
+    ),
+    "region past int64": ({"regions": [[INT64 - 8, 16]]}, r"regions\[0\] ends past 2\*\*63"),
+    "buffers sharing one base": (
+        {"regions": [[1 << 40, 1 << 20]], "block_base": [1 << 40, 1 << 40]},
+        r"buffers\[0\] and buffers\[1\] overlap at 0x10000000000",
+    ),
+    "overlapping buffers": (
+        {"regions": [[1 << 40, 1 << 20]], "block_base": [1 << 40, (1 << 40) + 255]},
+        r"buffers\[0\] and buffers\[1\] overlap",
+    ),
+    "buffer outside every region": (
+        {"regions": [[1 << 40, 256]], "block_base": [1 << 40, 1 << 41]},
+        r"buffer 1 \[0x20000000000, \+0x100\) lies in no advertised region",
+    ),
+    "buffer straddling a region end": (
+        {"regions": [[1 << 40, 300]], "block_base": [(1 << 40) + 100, 1 << 41]},
+        r"buffer 0 .* lies in no advertised region",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REJECTED))
+def test_each_malformed_peer_message_gets_its_exact_error(case: str) -> None:
+    change, match = REJECTED[case]
+    msg = {**_message_of(KVCache(LAYOUT)), **change}
+    msg = {k: v for k, v in msg.items() if v is not DROP}
+    with pytest.raises(PeerProtocolError, match=match) as info:
+        peer_info_from_message(pack(msg))
+    assert info.value.reason.name == "INVALID_REQUEST"
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"x" * (MAX_PEER_MESSAGE_BYTES + 1), r"is 1048577 bytes, limit 1048576"),
+        (b"", r"not valid msgpack: Input data was truncated"),
+        (b"\xc1", r"not valid msgpack: .*invalid opcode"),
+        ("{}", r"must be bytes, got str"),
+        (b"\x93\x01\x02\x03", r"Expected `object`, got `array`"),
+    ],
+)
+def test_frames_that_are_not_a_message_get_their_exact_error(raw: Any, match: str) -> None:
+    with pytest.raises(PeerProtocolError, match=match):
+        peer_info_from_message(raw)
+
+
+def test_truncated_and_padded_messages_are_rejected() -> None:
+    good = peer_info_to_message(KVCache(LAYOUT).peer_info(SID))
+    for cut in range(len(good)):
+        with pytest.raises(PeerProtocolError, match=r"truncated|Expected|missing|length"):
+            peer_info_from_message(good[:cut])
+    with pytest.raises(PeerProtocolError, match="trailing characters"):
+        peer_info_from_message(good + b"\x00")
+
+
+def test_a_full_size_peer_message_parses_in_linear_time() -> None:
+    """Issue 10: a 281 KB message took 260 s (every buffer against every region)."""
+    size = 64
+    decoys = [[(1 << 40) + 2 * i, 1] for i in range(38_000)]  # every buffer is past them
+    bases = [(1 << 41) + i * size for i in range(MAX_LIST_LEN)]
+    msg = {
+        **_message_of(KVCache(LAYOUT)),
+        "layout": {"num_layers": MAX_LIST_LEN // 2, "num_blocks": 1, "block_bytes": size},
+        "regions": [*decoys, [1 << 41, size * MAX_LIST_LEN]],
+        "block_base": bases,
+    }
+    raw = pack(msg)
+    assert 900_000 < len(raw) <= MAX_PEER_MESSAGE_BYTES
+    start = time.process_time()
+    info = peer_info_from_message(raw)
+    assert time.process_time() - start < 2.0  # ~0.2 s here; quadratic was hours
+    assert len(info.block_base) == MAX_LIST_LEN
+    msg["block_base"] = [1 << 41] * MAX_LIST_LEN  # and all at one base: refused as fast
+    start = time.process_time()
+    with pytest.raises(PeerProtocolError, match=r"buffers\[0\] and buffers\[1\] overlap"):
+        peer_info_from_message(pack(msg))
+    assert time.process_time() - start < 2.0
+
+
+# -- requests to the receiver -----------------------------------------------------------
 
 
 @st.composite
-def command_lines(draw: st.DrawFn) -> str | bytes:
+def request_frames(draw: st.DrawFn) -> bytes:
     kind = draw(st.sampled_from(["random", "shaped", "bytes"]))
     if kind == "bytes":
         return draw(st.binary(max_size=200))
     if kind == "random":
-        return json.dumps(draw(JSON_VALUES))
-    msg: dict[str, object] = {
-        "cmd": draw(st.one_of(st.sampled_from(sorted(COMMANDS)), JSON_VALUES))
-    }
+        return pack(draw(WIRE_VALUES))
+    msg: dict[str, object] = {"cmd": draw(st.one_of(st.sampled_from(REQUESTS), WIRE_VALUES))}
     if draw(st.booleans()):
         msg["blocks"] = draw(
-            st.one_of(st.lists(st.one_of(st.integers(-3, 12), EDGE_INTS), max_size=6), JSON_VALUES)
+            st.one_of(st.lists(st.one_of(st.integers(-3, 12), WIRE_INTS), max_size=6), WIRE_VALUES)
         )
     if draw(st.booleans()):
-        msg["id"] = draw(st.one_of(st.integers(-2, 2**64), JSON_VALUES))
-    if draw(st.booleans()):
-        msg[draw(st.text(max_size=6))] = draw(JSON_VALUES)
-    return json.dumps(msg)
+        msg[draw(st.text(max_size=6))] = draw(WIRE_VALUES)
+    return pack(msg)
 
 
-@given(command_lines())
-def test_commands_parse_or_are_rejected_typed(line: str | bytes) -> None:
+@given(request_frames())
+def test_requests_parse_or_are_rejected_typed(frame: bytes) -> None:
     try:
-        command = parse_command(line, num_blocks=LAYOUT.num_blocks)
+        req = parse_request(frame, num_blocks=LAYOUT.num_blocks)
     except PeerProtocolError:
         return
-    assert command.cmd in COMMANDS
-    assert all(type(b) is int and 0 <= b < LAYOUT.num_blocks for b in command.blocks)
-    assert command.id is None or (type(command.id) is int and 0 <= command.id < INT64)
-    if "blocks" not in COMMANDS[command.cmd]:
-        assert command.blocks == ()
+    assert req.__struct_config__.tag in REQUESTS
+    if isinstance(req, ChecksumRequest):
+        assert all(type(b) is int and 0 <= b < LAYOUT.num_blocks for b in req.blocks)
 
 
-def _bare_receiver() -> Any:
-    """A Receiver without an engine: ``handle`` and ``serve`` only touch its cache."""
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (pack({"cmd": "rm -rf"}), r"Invalid value 'rm -rf' - at `\$\.cmd`"),
+        (pack({"cmd": "checksum", "blocks": [8]}), r"blocks\[0\] = 8 >= 8 blocks"),
+        (pack({"cmd": "checksum", "blocks": [1, -1]}), r">= 0 - at `\$\.blocks\[1\]`"),
+        (pack({"cmd": "checksum", "blocks": [True]}), r"got `bool` - at `\$\.blocks\[0\]`"),
+        (pack({"cmd": "checksum", "blocks": "all"}), r"Expected `array`, got `str`"),
+        (pack({"cmd": "checksum"}), r"missing required field `blocks`"),
+        (pack({"cmd": "zero", "force": True}), r"unknown field `force`"),
+        (pack({"cmd": "checksum", "blocks": [0] * (MAX_LIST_LEN + 1)}), r"length <= 65536"),
+        (b"\x81\xa3cmd", r"truncated"),
+        (b"\xff\xfe", r"Expected `object`, got `int`"),
+        (b"x" * (MAX_REQUEST_BYTES + 1), r"request is 1048577 bytes, limit 1048576"),
+    ],
+)
+def test_each_malformed_request_gets_its_exact_error(frame: bytes, match: str) -> None:
+    with pytest.raises(PeerProtocolError, match=match):
+        parse_request(frame, num_blocks=LAYOUT.num_blocks)
+
+
+def _bare_receiver(layout: KVLayout = LAYOUT) -> Any:
+    """A Receiver without an engine: ``handle`` only touches its cache."""
     from transfer.receiver import Receiver
 
     rx = object.__new__(Receiver)
-    rx.cache = KVCache(LAYOUT)
+    rx.cache = KVCache(layout)
     rx.cache.fill_seeded(5)
+    rx.peer_info = rx.cache.peer_info(SID)
     return rx
 
 
@@ -226,44 +384,25 @@ def bare_receiver() -> Any:
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(line=command_lines())
+@given(frame=request_frames())
 def test_receiver_handle_never_crashes_and_touches_nothing(
-    bare_receiver: Any, line: str | bytes
+    bare_receiver: Any, frame: bytes
 ) -> None:
     rx = bare_receiver
     rx.cache.fill_seeded(5)
     before = [t.clone() for t in rx.cache.tensors]
-    reply_line, keep = rx.handle(line)
-    reply = json.loads(reply_line)
-    assert isinstance(reply, dict) and isinstance(reply["ok"], bool)
-    if not reply["ok"]:
-        assert reply["error"] == "PeerProtocolError", reply  # typed, never a stray exception
-        assert keep
-    zeroed = reply["ok"] and reply["cmd"] == "zero"
+    reply = decode_reply(rx.handle(frame))  # always a schema-valid reply
+    if isinstance(reply, ErrorReply):
+        assert reply.error == "PeerProtocolError", reply  # typed, never a stray exception
+        return
+    req = msgspec.msgpack.decode(frame)  # accepted, so it is a request
+    tag = reply.__struct_config__.tag
+    assert tag == req["cmd"]  # a reply carries its request's tag
+    zeroed = tag == "zero"
     for old, new in zip(before, rx.cache.tensors, strict=True):
         assert torch.equal(new, torch.zeros_like(new) if zeroed else old)
-    if reply["ok"] and reply["cmd"] == "checksum":
-        assert len(reply["digests"]) == len(json.loads(line)["blocks"])
-    assert keep == (not reply["ok"] or reply["cmd"] != "exit")
-
-
-@given(st.lists(st.one_of(command_lines(), st.just(b"x" * (MAX_MESSAGE_BYTES + 10))), max_size=8))
-@settings(max_examples=30)
-def test_receiver_serve_answers_every_line_until_exit(lines: list[str | bytes]) -> None:
-    rx = _bare_receiver()
-    wire = [ln.encode() if isinstance(ln, str) else ln for ln in lines]
-    wire = [ln.replace(b"\n", b" ").replace(b"\r", b" ") for ln in wire]
-    stdin = io.BytesIO(b"".join(ln + b"\n" for ln in wire))
-    stdout = io.StringIO()
-    rx.serve(stdin, stdout)  # returns at exit or end of input; never raises
-    replies = [json.loads(r) for r in stdout.getvalue().splitlines()]
-    answered = [ln for ln in wire if ln.strip()]
-    exits = [i for i, r in enumerate(replies) if r.get("ok") is True and r.get("cmd") == "exit"]
-    if exits:
-        assert exits[0] == len(replies) - 1  # nothing answered after exit
-    else:
-        assert len(replies) == len(answered)
-    assert all(r["ok"] or r["error"] == "PeerProtocolError" for r in replies)
+    if tag == "checksum":
+        assert len(reply.digests) == DIGEST_SIZE * len(req["blocks"])
 
 
 # -- plans against hostile peers ----------------------------------------------------------
@@ -384,7 +523,7 @@ def test_plans_against_hostile_peers_write_only_requested_blocks(
 
 @given(corrupted_messages(), st.lists(st.integers(-1, LAYOUT.num_blocks), max_size=6))
 def test_plans_from_parsed_messages_stay_inside_advertised_regions(
-    raw: str, dst_blocks: list[int]
+    raw: bytes, dst_blocks: list[int]
 ) -> None:
     try:
         peer = peer_info_from_message(raw)
@@ -413,22 +552,18 @@ def live_receiver() -> Iterator[ReceiverProcess]:
 @requires_mooncake
 @pytest.mark.mooncake
 @settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(line=command_lines())
+@given(frame=request_frames())
 def test_real_receiver_answers_garbage_typed_and_keeps_serving(
-    live_receiver: ReceiverProcess, line: str | bytes
+    live_receiver: ReceiverProcess, frame: bytes
 ) -> None:
-    wire = line.encode() if isinstance(line, str) else line
-    wire = wire.replace(b"\n", b" ").replace(b"\r", b" ")
-    assume(wire.strip())
-    # A valid exit would end the shared receiver: every other line is fair game.
-    with contextlib.suppress(PeerProtocolError):
-        assume(parse_command(wire, num_blocks=LAYOUT.num_blocks).cmd != "exit")
+    with contextlib.suppress(PeerProtocolError):  # a valid zero would wipe the shared cache
+        assume(parse_request(frame, num_blocks=LAYOUT.num_blocks).__struct_config__.tag != "zero")
     try:
-        reply = live_receiver.send_raw(wire, timeout=10.0)
+        reply = live_receiver.send_raw(frame, timeout=10.0)
     except PeerProtocolError as exc:
-        assert "PeerProtocolError" in str(exc)
+        assert "decode service error PeerProtocolError" in str(exc)
     else:
-        assert reply["ok"] is True
+        assert reply  # a valid request, answered
     assert live_receiver.request({"cmd": "ping"}, timeout=10.0)["pid"] == live_receiver.pid
 
 
@@ -437,20 +572,20 @@ def test_real_receiver_answers_garbage_typed_and_keeps_serving(
 )
 def test_peer_addresses_past_int64_are_refused_typed(base: int | float) -> None:
     """Plans compute addresses in int64: a peer advertising buffers at or past 2**63
-    (which the message format still allows: engine addresses are uint64) is
-    refused, never overflowed, wrapped or truncated."""
+    is refused by the wire format, and a PeerInfo built some other way is refused
+    by the plan -- never overflowed, wrapped or truncated."""
     src = KVCache(LAYOUT)
     size = LAYOUT.buffer_bytes
     bases: tuple[Any, ...] = (base, base + size)  # a float is part of the attack
     peer = PeerInfo(SID, (Region(int(base), 2 * size),), LAYOUT, block_base=bases)
     with pytest.raises(RemoteRangeRejected, match=r"\[1, 2\*\*63\)"):
         build_plan(src, peer, [0, 1], [0, 1])
-    if type(base) is int and base >= 1 and base + 2 * size <= 2**64:
-        msg = _message_of(src)
-        msg["regions"], msg["block_base"] = [[base, 2 * size]], list(bases)
-        parsed = peer_info_from_message(json.dumps(msg))  # the wire format accepts it...
-        with pytest.raises(RemoteRangeRejected):  # ...the plan does not
-            build_plan(src, parsed, [0, 1], [0, 1])
+    msg = _message_of(src)
+    msg["regions"], msg["block_base"] = [[int(base), 2 * size]], list(bases)
+    with pytest.raises(
+        PeerProtocolError, match=r"at `\$\.(regions|block_base)\[|ends past 2\*\*63"
+    ):
+        peer_info_from_message(pack(msg))
 
 
 # -- the address the engine is given ---------------------------------------------------------
@@ -506,7 +641,6 @@ def test_backend_on_a_wildcard_address_warns_loudly(all_levels: None) -> None:
 @requires_mooncake
 @pytest.mark.mooncake
 def test_receiver_on_a_wildcard_address_warns_on_stderr_and_still_serves() -> None:
-    # stdout carries the peer protocol: the warning must not land there.
     with receiver(KVLayout(1, 4, 64), ip="0.0.0.0") as proc:
         assert proc.peer.session_id.startswith("0.0.0.0:")
         assert proc.request({"cmd": "ping"})["pid"] == proc.pid
