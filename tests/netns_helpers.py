@@ -536,7 +536,7 @@ class _Driver:
 
         cmd = msg["cmd"]
         if cmd == "add_peer":
-            info = peer_info_from_message(msg["message"])
+            info = peer_info_from_message(bytes.fromhex(msg["message"]))
             self.sched.add_peer(info)
             return {"session_id": info.session_id}
         if cmd == "batch":

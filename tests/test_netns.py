@@ -135,7 +135,7 @@ def partition(pair: NetnsPair, request: pytest.FixtureRequest) -> Iterator[dict[
     ):
         sid = rx.peer.session_id
         out["pids"] = (rx.pid, driver.pid)
-        driver.request("add_peer", message=peer_info_to_message(rx.peer))
+        driver.request("add_peer", message=peer_info_to_message(rx.peer).hex())
         out["warm"] = _run_batch(driver, rx, "warm-")
 
         driver.request("start_load", prefix="cut-", peer=sid, window=4, deadline_s=DEADLINE_S)
@@ -238,7 +238,7 @@ def test_decode_restart_at_the_same_address_p2p(pair: NetnsPair) -> None:
     with PrefillDriver(pair, LAYOUT) as driver:
         with netns_receiver(pair, LAYOUT) as old:
             old_sid = old.peer.session_id
-            driver.request("add_peer", message=peer_info_to_message(old.peer))
+            driver.request("add_peer", message=peer_info_to_message(old.peer).hex())
             _run_batch(driver, old, "before-")
             driver.request(
                 "start_load", prefix="kill-", peer=old_sid, window=4, deadline_s=DEADLINE_S
@@ -257,7 +257,7 @@ def test_decode_restart_at_the_same_address_p2p(pair: NetnsPair) -> None:
         with netns_receiver(pair, LAYOUT) as new:
             new_sid = new.peer.session_id
             assert new_sid.split(":")[0] == old_sid.split(":")[0] == pair.decode.addr
-            driver.request("add_peer", message=peer_info_to_message(new.peer))
+            driver.request("add_peer", message=peer_info_to_message(new.peer).hex())
             after = _run_batch(driver, new, "after-")
             assert [r["state"] for r in after] == ["DONE"] * len(after), after
             assert not driver.request("peer_alive", peer=old_sid)["alive"]
@@ -280,7 +280,7 @@ def test_decode_restart_under_the_same_name_through_a_metadata_server(pair: Netn
     ):
         with netns_receiver(pair, LAYOUT, ip=name, metadata=url) as old:
             assert old.peer.session_id == name
-            driver.request("add_peer", message=peer_info_to_message(old.peer))
+            driver.request("add_peer", message=peer_info_to_message(old.peer).hex())
             before = _run_batch(driver, old, "before-")
             assert [r["state"] for r in before] == ["DONE"] * 8
             old_bases = old.peer.block_base
@@ -292,7 +292,7 @@ def test_decode_restart_under_the_same_name_through_a_metadata_server(pair: Netn
             assert new.peer.session_id == name
             assert new.peer.block_base != old_bases  # a new process: new buffers
             restarted = time.monotonic()
-            driver.request("add_peer", message=peer_info_to_message(new.peer))
+            driver.request("add_peer", message=peer_info_to_message(new.peer).hex())
             attempts = 0
             while True:
                 attempts += 1
