@@ -390,3 +390,15 @@ def test_run_against_nothing_fails_typed_within_its_deadline(tmp_path: Path) -> 
     code = main(["run", "--decode", f"ipc://{tmp_path}/nobody", "--requests", "1", "--no-progress"])
     assert code == 2
     assert time.monotonic() - start < 20.0
+
+
+def test_decode_on_a_wildcard_address_needs_the_address_peers_use() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler.cli", "decode", "--listen=0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "wildcard_address" in out.stderr
+    assert "--listen 0.0.0.0:0 needs --ip: the address peers use" in out.stderr

@@ -64,6 +64,9 @@ from .peer_protocol import (
 
 __all__ = ["Receiver", "ReceiverProcess", "add_service_arguments", "main", "run_service"]
 
+_log = structlog.get_logger("kvguard.decode")
+_WILDCARD: Final = "the control channel has no authentication and accepts every interface"
+
 
 class Receiver:
     """A registered destination cache and the engine that exposes it."""
@@ -157,14 +160,15 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_ip(args: argparse.Namespace) -> str:
-    if args.ip is not None:
-        return str(args.ip)
+    """The engine's address: --ip, else the --listen host (where peers reach this host)."""
     endpoint = endpoint_of(args.listen)
-    if endpoint.startswith("tcp://"):
-        host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-        if not is_wildcard(host):
-            return host  # where this host is reached is where its engine is too
-    return "127.0.0.1"
+    host = endpoint[len("tcp://") :].rpartition(":")[0] if endpoint.startswith("tcp://") else ""
+    if host and is_wildcard(host):
+        # Both listen on every interface then (docs/security.md); say so, loudly.
+        _log.warning("wildcard_address", listen=args.listen, problem=_WILDCARD)
+        if args.ip is None:  # "0.0.0.0:port" is no address a peer can use
+            raise ValueError(f"--listen {args.listen} needs --ip: the address peers use")
+    return str(args.ip or host.strip("[]") or "127.0.0.1")
 
 
 def run_service(args: argparse.Namespace, out: IO[str]) -> int:
