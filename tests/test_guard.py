@@ -727,7 +727,7 @@ class _Spy(collections.abc.Generator[int, object, None]):
     def send(self, value: object) -> int:
         return 1
 
-    def throw(self, *args: object) -> int:  # type: ignore[override]
+    def throw(self, *args: object) -> int:
         self.thrown.append(args)
         raise args[0]  # type: ignore[misc]
 
@@ -739,7 +739,7 @@ class _ASpy(collections.abc.AsyncGenerator[int, None]):
     async def asend(self, value: object) -> int:
         return 1
 
-    async def athrow(self, *args: object) -> int:  # type: ignore[override]
+    async def athrow(self, *args: object) -> int:
         self.thrown.append(args)
         raise args[0]  # type: ignore[misc]
 
