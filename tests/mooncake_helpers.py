@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 
 from transfer import KVCache, KVLayout
-from transfer.mooncake import MooncakeBackend
+from transfer.mooncake import MooncakeBackend, import_engine
 from transfer.peer_protocol import block_digests
 from transfer.receiver import ReceiverProcess
 
 
 def _mooncake_importable() -> bool:
     try:
-        import mooncake.engine  # noqa: F401
+        import_engine()  # quiet: the engine's glog lines only with KVGUARD_ENGINE_LOG=1
     except ImportError:
         return False
     return True
@@ -58,10 +58,19 @@ def prefill_backend(**kwargs: Any) -> Iterator[MooncakeBackend]:
 
 
 @contextlib.contextmanager
-def receiver(layout: KVLayout, **kwargs: Any) -> Iterator[ReceiverProcess]:
-    """A started receiver child; killed and reaped by pid on exit."""
+def receiver(
+    layout: KVLayout, backend: MooncakeBackend | None = None, **kwargs: Any
+) -> Iterator[ReceiverProcess]:
+    """A started receiver child, added to ``backend`` as a peer; killed and
+    reaped by pid on exit."""
     with ReceiverProcess(layout, **kwargs) as proc:
-        yield proc
+        if backend is not None:
+            backend.add_peer(proc.peer)
+        try:
+            yield proc
+        finally:
+            if backend is not None:
+                backend.remove_peer(proc.peer.session_id)
 
 
 def assert_intact(

@@ -8,12 +8,14 @@ and ask for per-block sha256 digests. No engine call is mocked.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
+import structlog
 from mooncake_helpers import (
     PREFILL_TRANSFER_TIMEOUT_S,
     assert_intact,
@@ -25,6 +27,7 @@ from mooncake_helpers import (
     wait_until,
     zero_digest,
 )
+from structlog.testing import capture_logs
 
 from lifecycle import FailureReason
 from transfer import (
@@ -45,7 +48,7 @@ from transfer import (
 from transfer.backend import PeerInfo, Region
 from transfer.errors import BackendClosed, PeerProtocolError
 from transfer.mooncake import MooncakeBackend
-from transfer.peer_protocol import peer_info_from_message, peer_info_to_message
+from transfer.peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
 from transfer.receiver import ReceiverProcess
 
 pytestmark = [pytest.mark.mooncake, requires_mooncake]
@@ -80,9 +83,20 @@ def src1(backend: MooncakeBackend) -> KVCache:
 
 
 @pytest.fixture(scope="module")
-def shared_peer() -> Iterator[ReceiverProcess]:
-    with receiver(LAYOUT) as proc:
+def shared_peer(backend: MooncakeBackend) -> Iterator[ReceiverProcess]:
+    with receiver(LAYOUT, backend) as proc:
         yield proc
+
+
+@pytest.fixture
+def all_levels() -> Iterator[None]:
+    """conftest filters below ERROR; let warnings through for capture_logs."""
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(wrapper_class=old)
 
 
 @pytest.fixture
@@ -187,12 +201,13 @@ def test_concurrent_ops_to_one_peer_are_all_byte_exact(
 # -- failures become typed errors ---------------------------------------------------
 
 
-def test_oversized_batch_fails_typed_and_other_peers_are_unharmed(
-    backend: MooncakeBackend, src: KVCache, src1: KVCache, peer: ReceiverProcess
+def test_oversized_batch_is_held_to_the_engine_budget_and_byte_exact(
+    backend: MooncakeBackend, src1: KVCache
 ) -> None:
-    # Its own receiver: after this the engine may fail every call to that
-    # peer for minutes (seen: > 80 s), while the peer still answers probes.
-    with receiver(ONE_LAYER) as proc:
+    # 8192 entries in one batch: one sync call failed outright (the TCP
+    # transport holds 1024 queued + 1024 pending per peer); the engine loop
+    # hands them over within that budget, entry by entry.
+    with receiver(ONE_LAYER, backend) as proc:
         blocks = list(range(ONE_LAYER.num_blocks))
         legal = plan_entries_naive(src1, proc.peer, blocks, blocks[::-1])
         merged = Batch(
@@ -201,23 +216,46 @@ def test_oversized_batch_fails_typed_and_other_peers_are_unharmed(
             sum((b.lengths for b in legal.batches), ()),
         )
         assert len(merged.lengths) == 8192
-        giant = dataclasses.replace(legal, batches=(merged,))
-        op = backend.submit(giant)
+        op = backend.submit(dataclasses.replace(legal, batches=(merged,)))
+        op.result(timeout=WAIT)
+        assert op.wait_quiesced(1.0)
+        assert_intact(src1, proc, blocks, blocks[::-1])
+
+
+def test_engine_refusing_entries_fails_engine_error_and_keeps_what_it_holds(
+    src1: KVCache, all_levels: None
+) -> None:
+    # A budget above the engine's limits lets the TCP transport refuse
+    # entries (queue full): the op fails EngineError while the peer answers.
+    # Measured: the overflowed engine then leaves ~1024 entries without a
+    # final status for good (> 30 s, even after the peer is killed), so the
+    # op stays quarantined and close() keeps the memory instead of freeing it.
+    with (
+        prefill_backend(close_timeout_s=0.5) as b,
+        receiver(ONE_LAYER, b) as proc,
+        capture_logs() as logs,
+    ):
+        b._loop._budget = 8192  # what a wrong budget would do
+        b.register(src1)
+        blocks = list(range(ONE_LAYER.num_blocks))
+        op = b.submit(plan_entries_naive(src1, proc.peer, blocks, blocks[::-1]))
         with pytest.raises(EngineError) as info:
             op.result(timeout=WAIT)
         assert info.value.retryable and info.value.reason is FailureReason.TRANSFER_ERROR
-        assert "probe: alive" in str(info.value)  # the peer answers: the engine refused
-        assert op.wait_quiesced(1.0)
-        backend.probe(proc.peer.session_id)
-    # The damage stays with that peer: the shared one still gets bytes through.
-    run(backend, src, peer, [0, 1, 2], [3, 4, 5])
-    assert_intact(src, peer, [0, 1, 2], [3, 4, 5])
+        assert "probe: alive" in str(info.value), info.value
+        if op.wait_quiesced(2.0):
+            pytest.skip("this engine build gave every entry a final status")
+        assert b.quarantined() == (1, op.nbytes)
+        b.close()
+        assert "engine_memory_kept" in [e["event"] for e in logs]
+        assert not op.quiesced
 
 
 def test_unknown_peer_is_unreachable(
     backend: MooncakeBackend, src: KVCache, shared_peer: ReceiverProcess
 ) -> None:
     nobody = dataclasses.replace(shared_peer.peer, session_id=f"127.0.0.1:{free_port()}")
+    backend.add_peer(nobody)
     op = backend.submit(build_plan(src, nobody, [0], [0]))
     t0 = time.monotonic()
     with pytest.raises(PeerUnreachable) as info:
@@ -232,7 +270,7 @@ def test_unknown_peer_is_unreachable(
 
 
 def test_killed_peer_surfaces_in_milliseconds(backend: MooncakeBackend, src1: KVCache) -> None:
-    with receiver(ONE_LAYER) as proc:
+    with receiver(ONE_LAYER, backend) as proc:
         run(backend, src1, proc, [0], [0])  # connected and known alive
         s = list(range(ONE_LAYER.num_blocks))
         op = backend.submit(plan_entries_naive(src1, proc.peer, s, s[::-1]))
@@ -245,7 +283,9 @@ def test_killed_peer_surfaces_in_milliseconds(backend: MooncakeBackend, src1: KV
         surfaced = time.monotonic() - killed
         assert info.value.reason is FailureReason.PEER_LOST
         assert surfaced < 1.0, f"dead peer took {surfaced:.3f}s to surface"
-        assert op.wait_quiesced(1.0)
+        # The engine fails what it still holds after its lane reconnect fails (~1 s).
+        assert op.wait_quiesced(5.0)
+        assert op.quiesced_at is not None and op.quiesced_at - killed < 3.0
         # Known dead: the next plan fails on a probe, not the engine's 1 s backoff.
         again = backend.submit(build_plan(src1, proc.peer, [1], [1]))
         t0 = time.monotonic()
@@ -257,7 +297,7 @@ def test_killed_peer_surfaces_in_milliseconds(backend: MooncakeBackend, src1: KV
 def test_frozen_peer_caller_deadline_fires_and_quiesce_waits_for_the_engine(
     backend: MooncakeBackend, src1: KVCache
 ) -> None:
-    with receiver(ONE_LAYER) as proc:
+    with receiver(ONE_LAYER, backend) as proc:
         run(backend, src1, proc, [0], [0])
         proc.freeze()
         blocks = list(range(64))
@@ -267,57 +307,72 @@ def test_frozen_peer_caller_deadline_fires_and_quiesce_waits_for_the_engine(
             op.result(timeout=0.5)
         assert 0.45 < time.monotonic() - t0 < 1.5  # our deadline, not Mooncake's 30 s
         assert info.value.reason is FailureReason.TIMEOUT
-        # The engine call is still running: the buffers stay quarantined (I6).
+        # The engine holds the entries: the buffers stay quarantined (I6).
         assert not op.done and not op.quiesced
         assert not op.wait_quiesced(1.0)
         proc.thaw()
-        assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 5)
+        assert op.wait_quiesced(5.0)
         assert op.done
-        if op.error is None:  # thawed before the engine gave up: the bytes landed
-            assert_intact(src1, proc, blocks, blocks)
+        assert op.error is None, op.error  # thawed before the engine's timeout: all landed
+        assert_intact(src1, proc, blocks, blocks)
 
 
-def test_frozen_peer_fails_peer_lost_when_the_engine_gives_up(
+def test_frozen_peer_fails_peer_lost_at_the_engine_timeout_and_stays_quarantined(
     backend: MooncakeBackend, src1: KVCache
 ) -> None:
-    with receiver(ONE_LAYER) as proc:
+    with receiver(ONE_LAYER, backend) as proc:
         run(backend, src1, proc, [0], [0])
         proc.freeze()
         op = backend.submit(build_plan(src1, proc.peer, [1, 2, 3], [1, 2, 3]))
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             op.result(timeout=0.5)
-        assert not op.quiesced
         # MC_TRANSFER_TIMEOUT, then a bounded probe that gets no answer.
-        assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 10)
+        with pytest.raises(PeerLost) as info:
+            op.result(timeout=PREFILL_TRANSFER_TIMEOUT_S + 10)
         elapsed = time.monotonic() - t0
         assert PREFILL_TRANSFER_TIMEOUT_S - 0.5 < elapsed < PREFILL_TRANSFER_TIMEOUT_S + 5
-        assert isinstance(op.error, PeerLost), op.error
-        assert op.error.reason is FailureReason.PEER_LOST
-        assert "silent" in str(op.error)
+        assert info.value.reason is FailureReason.PEER_LOST
+        assert "silent" in str(info.value)
+        # The engine still holds the entries: quarantined, not released (I6).
+        assert op.quarantined and not op.quiesced
+        assert backend.quarantined() == (1, op.nbytes)
         with pytest.raises(PeerUnreachable):
             backend.probe(proc.peer.session_id, timeout=0.2)
+        proc.thaw()
+        assert op.wait_quiesced(5.0)
+        assert backend.quarantined() == (0, 0)
+        assert op.quiesced_at is not None and op.resolved_at is not None
+        assert op.quiesced_at - op.resolved_at > 0.1
 
 
 def test_close_with_a_call_stuck_on_a_frozen_peer_keeps_the_op_unquiesced(
-    src1: KVCache,
+    src1: KVCache, all_levels: None
 ) -> None:
-    with receiver(ONE_LAYER) as proc, prefill_backend(close_timeout_s=0.3) as b:
+    with (
+        prefill_backend(close_timeout_s=0.3) as b,
+        receiver(ONE_LAYER, b) as proc,
+        capture_logs() as logs,
+    ):
         b.register(src1)
         run(b, src1, proc, [0], [0])
         proc.freeze()
         op = b.submit(build_plan(src1, proc.peer, [1], [1]))
-        time.sleep(0.1)  # let the worker enter the engine call
+        time.sleep(0.1)  # let the loop hand the entries over
         t0 = time.monotonic()
-        b.close()  # bounded: it abandons the engine instead of waiting 5 s
+        b.close()  # bounded: it keeps the engine and memory instead of waiting
         assert time.monotonic() - t0 < 1.5
-        assert not op.quiesced  # the call may still write into src1's peer
+        assert not op.quiesced  # the engine may still read src1 and write the peer
+        assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine_memory_kept"]
         # kill() sends SIGCONT before SIGKILL, so the peer may still ack the
-        # write in between; either way the stuck call returns.
+        # write in between; either way the engine gives the entry a final status.
         proc.kill()
         assert op.wait_quiesced(PREFILL_TRANSFER_TIMEOUT_S + 5)
         assert op.done
-        assert op.error is None or op.error.reason is FailureReason.PEER_LOST, op.error
+        assert op.error is None or op.error.reason in (
+            FailureReason.PEER_LOST,
+            FailureReason.SHUTDOWN,
+        ), op.error
 
 
 def test_remote_range_outside_peer_region_is_rejected_before_sending(
@@ -333,6 +388,28 @@ def test_remote_range_outside_peer_region_is_rejected_before_sending(
         build_plan(src, shrunk, [0, 1], [0, last])
     assert info.value.reason is FailureReason.INVALID_REQUEST
     assert peer.checksums([0, last]) == [zero_digest(LAYOUT)] * 2  # nothing was sent
+
+
+def test_hand_made_plan_outside_the_peer_regions_is_rejected_by_submit(
+    backend: MooncakeBackend, src: KVCache, peer: ReceiverProcess
+) -> None:
+    # TransferPlan is a public dataclass: a plan need not come from build_plan.
+    good = build_plan(src, peer.peer, [0], [0])
+    end = max(r.end for r in peer.peer.regions)
+    for dst in (end, end - 1, peer.peer.regions[0].base - 4096):
+        batch = good.batches[0]
+        bad = dataclasses.replace(
+            good, batches=(Batch(batch.src, (dst, *batch.dst[1:]), batch.lengths),)
+        )
+        op = backend.submit(bad)
+        with pytest.raises(RemoteRangeRejected, match=f"{dst:#x}") as info:
+            op.result(timeout=1.0)
+        assert info.value.reason is FailureReason.INVALID_REQUEST
+        assert op.quiesced
+    stranger = dataclasses.replace(good, peer=f"127.0.0.1:{free_port()}")
+    with pytest.raises(RemoteRangeRejected, match="add_peer"):
+        backend.submit(stranger).result(timeout=1.0)
+    assert peer.checksums([0]) == [zero_digest(LAYOUT)]  # nothing was sent
 
 
 def test_unregistered_source_is_rejected_and_nothing_sent(
@@ -405,6 +482,7 @@ def test_metadata_server_mode_transfers(src: KVCache) -> None:
         receiver(LAYOUT, ip=f"127.0.0.1:{free_port()}", metadata=url) as proc,
         prefill_backend(local_ip=f"127.0.0.1:{free_port()}", metadata=url) as b,
     ):
+        b.add_peer(proc.peer)
         assert proc.peer.session_id.startswith("127.0.0.1:")
         cache = KVCache(LAYOUT)
         cache.fill_seeded(5)
@@ -511,3 +589,73 @@ def test_late_reply_is_not_taken_for_the_next_one(peer: ReceiverProcess) -> None
         peer.request({"cmd": "checksum", "blocks": [0]}, timeout=0.2)
     peer.thaw()
     assert peer.request({"cmd": "ping"})["pid"] == peer.pid
+
+
+# -- release after quiesce on the real engine (I6, issue 10) --------------------------
+
+
+def test_frozen_peer_blocks_are_released_only_after_the_engine_is_done(
+    backend: MooncakeBackend,
+) -> None:
+    """Freeze the peer, give up at a 1 s deadline, stay frozen past the engine's
+    own timeout, refill the source at release, thaw: nothing may move after release."""
+    cache = KVCache(ONE_LAYER)
+    cache.fill_seeded(11)
+    backend.register(cache)
+    blocks = list(range(64))
+    try:
+        with receiver(ONE_LAYER, backend) as proc:
+            run(backend, cache, proc, [100], [100])  # connected and known alive
+            before = block_digests(cache, blocks)
+            timeline: dict[str, float] = {}
+
+            def refill(op: object) -> None:
+                timeline["released"] = time.monotonic()
+                cache.fill_seeded(99)  # the blocks are reused at once
+
+            proc.freeze()
+            op = backend.submit(plan_entries_naive(cache, proc.peer, blocks, blocks))
+            op.add_quiesce_callback(refill)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                op.result(timeout=1.0)
+            assert time.monotonic() - t0 < 1.5
+            time.sleep(PREFILL_TRANSFER_TIMEOUT_S + 1.5)  # past the engine's own timeout
+            assert "released" not in timeline, (
+                f"released {timeline['released'] - t0:.2f}s after submit, peer still frozen"
+            )
+            assert not op.quiesced
+            thawed = time.monotonic()
+            proc.thaw()
+            assert op.wait_quiesced(10.0)
+            assert timeline["released"] >= thawed
+            after = block_digests(cache, blocks)
+            landed = proc.checksums(blocks)
+            time.sleep(0.5)
+            assert proc.checksums(blocks) == landed, "destination changed after release"
+            leaked = [b for b, d, a in zip(blocks, landed, after, strict=True) if d == a]
+            assert not leaked, f"post-release source bytes reached blocks {leaked[:10]}"
+            stray = [b for b, d, w in zip(blocks, landed, before, strict=True) if d != w]
+            assert not stray or op.error is not None, f"op succeeded, blocks {stray[:10]} differ"
+    finally:
+        assert wait_until(lambda: backend.in_flight == 0, 10.0)
+        backend.unregister(cache)
+
+
+def test_killed_frozen_peer_releases_within_seconds_of_the_kill(
+    backend: MooncakeBackend, src1: KVCache
+) -> None:
+    with receiver(ONE_LAYER, backend) as proc:
+        run(backend, src1, proc, [100], [100])
+        proc.freeze()
+        blocks = list(range(64))
+        op = backend.submit(plan_entries_naive(src1, proc.peer, blocks, blocks))
+        with pytest.raises(TransferTimeout):
+            op.result(timeout=1.0)
+        assert not op.quiesced
+        killed = time.monotonic()
+        proc.kill()
+        assert op.wait_quiesced(5.0), "a killed peer must release its blocks promptly"
+        assert time.monotonic() - killed < 3.0
+        assert op.done and op.error is not None
+        assert op.error.reason is FailureReason.PEER_LOST, op.error

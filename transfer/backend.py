@@ -5,28 +5,44 @@ blocks on the network and never raises for a transfer failure: the outcome
 lives in the returned ``TransferOp``. An op has two separate completions:
 
 * its *result*: success, or the typed ``TransferError`` that ended it;
-* its *quiescence*: every engine call that touches the plan's buffers has
-  returned. A caller that gave up at its deadline has a result (timeout)
-  long before the op is quiesced; KV blocks may be reused only after
-  quiescence (invariant I6).
+* its *quiescence*: the engine has given a final status to every entry it
+  accepted, so it can no longer read or write the plan's buffers. A caller
+  that gave up at its deadline, or an op failed at peer loss, has a result
+  long before it is quiesced; KV blocks may be reused only after
+  quiescence (invariant I6). Between the two the op is *quarantined*.
+
+Destination ranges are checked where the plan runs, against the regions the
+peer advertised (``add_peer``), because ``TransferPlan`` is a public
+dataclass and need not come from ``build_plan``.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
-from .errors import TransferError, TransferTimeout
+from .errors import RemoteRangeRejected, TransferError, TransferTimeout
 
 if TYPE_CHECKING:  # layout.py imports this module
     from .layout import KVLayout
 
-__all__ = ["Batch", "PeerInfo", "Region", "TransferBackend", "TransferOp", "TransferPlan"]
+__all__ = [
+    "Batch",
+    "PeerInfo",
+    "Quarantine",
+    "Region",
+    "RegionIndex",
+    "TransferBackend",
+    "TransferOp",
+    "TransferPlan",
+]
 
 _log = structlog.get_logger("kvguard.transfer")
 
@@ -44,6 +60,66 @@ class Region:
 
     def contains(self, addr: int, length: int) -> bool:
         return length > 0 and self.base <= addr and addr + length <= self.end
+
+
+class RegionIndex:
+    """Sorted, immutable set of regions: is [addr, addr + length) inside one of them?
+
+    O(log regions) per range (bisect), so checking a plan is linear in its entries.
+    Overlapping regions are merged only as far as a range must lie in one region.
+    """
+
+    __slots__ = ("_ends", "_starts")
+
+    _starts: list[int]  # sorted bases
+    _ends: list[int]  # _ends[i] is the end of the region starting at _starts[i]
+
+    def __init__(self, regions: Iterable[Region]) -> None:
+        spans = sorted((r.base, r.end) for r in regions if r.length > 0)
+        self._starts = [s for s, _ in spans]
+        self._ends = [e for _, e in spans]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def contains(self, addr: int, length: int) -> bool:
+        i = bisect_right(self._starts, addr) - 1
+        return i >= 0 and length > 0 and addr + length <= self._ends[i]
+
+    def first_outside(self, addrs: Iterable[int], lengths: Iterable[int]) -> tuple[int, int] | None:
+        """The first (addr, length) pair not inside one region, if any."""
+        starts, ends = self._starts, self._ends
+        for addr, length in zip(addrs, lengths, strict=True):
+            i = bisect_right(starts, addr) - 1
+            if i < 0 or length <= 0 or addr + length > ends[i]:
+                return addr, length
+        return None
+
+
+def check_destinations(plan: TransferPlan, regions: RegionIndex | None) -> None:
+    """Raise RemoteRangeRejected unless every destination range of ``plan`` lies
+    inside one region the peer advertised (``None``: the peer advertised nothing)."""
+    if regions is None:
+        raise RemoteRangeRejected(
+            f"no regions known for peer {plan.peer!r}: call backend.add_peer(PeerInfo) "
+            "before submitting plans to it; nothing sent",
+            peer=plan.peer,
+        )
+    for index, batch in enumerate(plan.batches):
+        bad = regions.first_outside(batch.dst, batch.lengths)
+        if bad is not None:
+            raise RemoteRangeRejected(
+                f"batch {index}: destination [{bad[0]:#x}, +{bad[1]}) is outside every "
+                f"region peer {plan.peer} advertised; nothing sent",
+                peer=plan.peer,
+            )
+
+
+class Quarantine(NamedTuple):
+    """Ops with a result whose buffers the engine may still touch, and their bytes."""
+
+    ops: int
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +179,8 @@ class TransferOp:
         "_r_callbacks",
         "_resolved",
         "plan",
+        "quiesced_at",
+        "resolved_at",
     )
 
     plan: TransferPlan
@@ -110,9 +188,11 @@ class TransferOp:
     _resolved: threading.Event  # set once; _error is final from then on
     _error: TransferError | None  # None after success
     _r_callbacks: list[OpCallback] | None  # None once resolved
-    _quiesced: threading.Event  # set once every engine call on the plan has returned
+    _quiesced: threading.Event  # set once the engine can no longer touch the plan's buffers
     _q_callbacks: list[OpCallback] | None  # None once quiesced
-    _cancelled: bool  # checked by the backend between batches
+    _cancelled: bool  # checked by the backend before it hands the engine more entries
+    resolved_at: float | None  # time.monotonic() of the result; None before
+    quiesced_at: float | None  # time.monotonic() of quiescence; None before; >= resolved_at
 
     def __init__(self, plan: TransferPlan) -> None:
         self.plan = plan
@@ -123,6 +203,8 @@ class TransferOp:
         self._quiesced = threading.Event()
         self._q_callbacks = []
         self._cancelled = False
+        self.resolved_at = None
+        self.quiesced_at = None
 
     # -- caller side ----------------------------------------------------------
 
@@ -152,6 +234,16 @@ class TransferOp:
     def quiesced(self) -> bool:
         return self._quiesced.is_set()
 
+    @property
+    def quarantined(self) -> bool:
+        """Has a result, but the engine may still read or write its buffers."""
+        return self._resolved.is_set() and not self._quiesced.is_set()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the plan moves: what a quarantined op keeps out of use."""
+        return self.plan.nbytes
+
     def wait_quiesced(self, timeout: float | None = None) -> bool:
         return self._quiesced.wait(timeout)
 
@@ -172,7 +264,11 @@ class TransferOp:
         fn(self)
 
     def cancel(self) -> None:
-        """Ask the backend not to start further batches. Idempotent."""
+        """Ask the backend to hand the engine no further entries. Idempotent.
+
+        An op cancelled before it finished fails with TransferCancelled; what
+        the engine already accepted still runs, and the op quiesces after it.
+        """
         self._cancelled = True
 
     @property
@@ -187,14 +283,17 @@ class TransferOp:
                 return  # first outcome wins
             callbacks, self._r_callbacks = self._r_callbacks, None
             self._error = error
+            self.resolved_at = time.monotonic()
             self._resolved.set()
         _run_callbacks(callbacks, self, "done")
 
     def _quiesce(self) -> None:
+        """Only after _resolve: an op is never quiesced without a result."""
         with self._lock:
             if self._q_callbacks is None:
                 return
             callbacks, self._q_callbacks = self._q_callbacks, None
+            self.quiesced_at = time.monotonic()
             self._quiesced.set()
         _run_callbacks(callbacks, self, "quiesce")
 
@@ -225,3 +324,19 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release engine resources. Idempotent."""
+
+    # Concrete defaults so that test doubles need not implement them; a backend
+    # that writes to peers overrides all three.
+
+    def add_peer(self, info: PeerInfo) -> None:
+        """Learn (or replace) the regions ``info`` advertises: the only ranges
+        plans to ``info.session_id`` may write."""
+        return None
+
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer's regions: later plans to it are rejected."""
+        return None
+
+    def quarantined(self) -> Quarantine:
+        """Ops that have a result but are not quiesced yet, and their bytes."""
+        return Quarantine(0, 0)

@@ -3,31 +3,38 @@
 How the engine's behaviour (DESIGN.md, "Mooncake transfer engine") maps onto
 the backend contract:
 
-* Transfer calls return only 0 or -1. A failure is classified afterwards by
-  probing the peer (``FAILURE_CLASS``): a peer that still answers means the
-  engine failed (EngineError, retryable); one that refuses or stays silent is
-  gone -- PeerLost when bytes of the plan may already have reached it,
-  PeerUnreachable when none can have. A plan succeeds only if every batch
-  returned 0 (I5).
-* Sync calls release the GIL and busy-spin until done. Each op runs batch by
-  batch on one of ``max_inflight`` daemon worker threads; ``submit`` only
-  enqueues.
-* A call to a frozen peer returns only after MC_TRANSFER_TIMEOUT (>= 5 s) and
-  may write into the buffers until then. The op quiesces only when that call
-  has returned, whatever deadline its caller gave up at (I6).
+* A returned or timed-out engine call is not a quiesced transfer: the engine
+  keeps moving slices after it. Entries therefore go one by one through
+  ``transfer_submit_write``, and one engine loop thread per backend
+  (``_poller.EngineLoop``) polls ``transfer_check_status`` until each has a
+  final status. An op's *result* may end early (failure, cancel, close, a
+  peer found gone); its *quiescence* comes only when every entry the engine
+  accepted has a final status (I6). In between it is quarantined
+  (``quarantined()``), for as long as the peer stays frozen.
+* The engine gives no reason for a failure. It is classified by probing the
+  peer (``FAILURE_CLASS``): a peer that still answers means the engine failed
+  (EngineError, retryable); one that refuses or stays silent is gone --
+  PeerLost when the engine accepted an entry of the plan, PeerUnreachable when
+  it accepted none. A plan succeeds only if every entry ended with status 1.
+* A frozen peer leaves entries without a final status indefinitely. Past the
+  engine's own timeout (MC_TRANSFER_TIMEOUT + 1 ns per byte) the peer is
+  probed and the op fails PeerLost, still quarantined.
 * ``send_probe`` to a frozen peer blocks for about 60 s. Probes run on their
   own daemon threads, at most one per peer at a time, and are waited for with
   a bound; a probe that does not answer in time counts as a silent peer.
-* A killed peer makes the engine back off about 1 s per later call. A peer
-  found dead is probed (milliseconds when it refuses) before the next plan
-  to it, which fails at once while the peer stays dead.
-* The TCP transport queues at most ~2048 transfers per peer, across all
-  calls to it, and fails every call that overflows the queue (it may then
-  fail that peer for minutes). Calls to one peer share a budget of
-  ``max_peer_entries`` entries; a worker waits for budget between batches.
-* Over TCP the engine reads unregistered local memory without complaint:
-  source ranges are checked against the registered caches before the first
-  call.
+  A peer never reached, or found dead, is probed before entries go to it, so
+  the loop never blocks on a handshake and a dead peer fails in milliseconds.
+* The TCP transport queues MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024) entries
+  per peer plus MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024) waiting ones,
+  and fails the rest. The loop budgets that many entries per peer, each from
+  submit until its final status.
+* Over TCP the engine reads unregistered local memory and, on the legacy
+  protocol, writes outside the peer's memory without complaint: sources are
+  checked against the registered caches and destinations against the regions
+  the peer advertised (``add_peer``) before anything is sent.
+* The engine's glog INFO/WARNING lines are silenced (MC_LOG_LEVEL=ERROR,
+  read when the library loads) unless KVGUARD_ENGINE_LOG=1 or MC_LOG_LEVEL
+  is set.
 
 The ``mooncake`` package is imported when a backend is built, not when this
 module is, so ``transfer`` imports on hosts without the wheel.
@@ -36,21 +43,29 @@ module is, so ``transfer`` imports on hosts without the wheel.
 from __future__ import annotations
 
 import enum
+import importlib
 import ipaddress
 import os
-import queue
 import threading
-import time
-from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any, Final
 
 import structlog
 import torch
 
-from .backend import Region, TransferBackend, TransferOp, TransferPlan
+from ._poller import EngineLoop, EngineOp, PeerCheck
+from .backend import (
+    PeerInfo,
+    Quarantine,
+    Region,
+    RegionIndex,
+    TransferBackend,
+    TransferOp,
+    TransferPlan,
+    check_destinations,
+)
 from .errors import (
     BackendClosed,
     Backpressure,
@@ -71,6 +86,8 @@ __all__ = [
     "Liveness",
     "MooncakeBackend",
     "code_name",
+    "engine_peer_budget",
+    "import_engine",
     "is_wildcard",
 ]
 
@@ -78,14 +95,19 @@ _log = structlog.get_logger("kvguard.transfer")
 
 P2P_HANDSHAKE: Final = "P2PHANDSHAKE"
 MIN_TRANSFER_TIMEOUT_S: Final = 5  # the engine clamps MC_TRANSFER_TIMEOUT to at least this
-# The TCP transport queues at most ~2048 transfers per peer (across all calls
-# to it) and fails every call that overflows the queue: 3 concurrent calls of
-# 1024 entries all return -1, 8 of 256 all pass.
-DEFAULT_MAX_PEER_ENTRIES: Final = 2048
-_BUDGET_POLL_S: Final = 0.05  # how often a worker waiting for budget looks at cancel/close
+DEFAULT_TRANSFER_TIMEOUT_S: Final = 30
+# The TCP transport's per-peer limits (tcp_transport in the engine) and their defaults.
+ENGINE_PEER_LIMITS: Final[Mapping[str, int]] = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": 1024,
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": 1024,
+}
+# Kept for callers that import it: the default budget with the engine defaults.
+DEFAULT_MAX_PEER_ENTRIES: Final = sum(ENGINE_PEER_LIMITS.values())
+ENGINE_LOG_ENV: Final = "KVGUARD_ENGINE_LOG"  # "1": keep the engine's INFO/WARNING lines
 
 # error.h: what register_memory, unregister_memory, send_probe and initialize
-# return. Transfer calls return only 0 and -1.
+# return. transfer_submit_write returns an id (0 or (uint64)-1 when refused);
+# transfer_check_status 0 running, 1 done, -1 failed, -2 timed out.
 ENGINE_CODES: Final[Mapping[int, str]] = {
     0: "OK",
     -1: "ERR_INVALID_ARGUMENT",
@@ -121,8 +143,8 @@ class Liveness(enum.Enum):
     SILENT = "silent"  # no answer within the bound: frozen or partitioned
 
 
-# (probe verdict after a failed call, may bytes of the plan have reached the
-# peer) -> the error the op fails with. Only a live peer makes a retry useful.
+# (probe verdict after a failure, did the engine accept an entry of the plan)
+# -> the error the op fails with. Only a live peer makes a retry useful.
 FAILURE_CLASS: Final[Mapping[tuple[Liveness, bool], type[TransferError]]] = {
     (Liveness.ALIVE, False): EngineError,
     (Liveness.ALIVE, True): EngineError,
@@ -135,23 +157,50 @@ FAILURE_CLASS: Final[Mapping[tuple[Liveness, bool], type[TransferError]]] = {
 # torch device type -> engine location string; "{i}" is the device index.
 _LOCATIONS: Final[Mapping[str, str]] = {"cpu": "*", "cuda": "cuda:{i}"}
 
-# Engines that may still be inside a call when their backend closed.
-# Destroying one under a running call would be a use-after-free, so they live
-# until the process ends.
-_ABANDONED: list[object] = []
+# (engine, caches, loop) of backends closed while the engine still held
+# entries or probes: destroying the engine or freeing the memory under them
+# would be a use-after-free, so they live until the process ends.
+_ABANDONED: list[tuple[object, ...]] = []
 
 # os.environ is process-global and the engine reads it while it is built.
 _ENV_LOCK = threading.Lock()
 
 
+def import_engine() -> ModuleType:
+    """Import ``mooncake.engine`` with its glog INFO/WARNING lines silenced.
+
+    The library reads MC_LOG_LEVEL once, when it loads (measured: setting it
+    later, or GLOG_minloglevel at any time, changes nothing). Set
+    KVGUARD_ENGINE_LOG=1, or MC_LOG_LEVEL yourself, to keep the engine's lines.
+    """
+    if os.environ.get(ENGINE_LOG_ENV, "") not in ("1", "true", "yes"):
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    return importlib.import_module("mooncake.engine")
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    return max(low, value)
+
+
+def engine_peer_budget() -> int:
+    """Entries the TCP transport holds per peer: queued plus pending admission."""
+    return sum(_env_int(name, default, 1) for name, default in ENGINE_PEER_LIMITS.items())
+
+
 @dataclass(slots=True)
 class _PeerState:
-    """What this backend has learnt about one peer. Written by workers and probes;
-    each field is a single reference, so a racy read sees an old or a new value."""
+    """What this backend has learnt about one peer. Written by probes; each
+    field is a single reference, so a racy read sees an old or a new value."""
 
-    reached: bool = False  # a call or probe to it succeeded once
-    dead: Liveness | None = None  # verdict of the last failure; None while believed alive
-    entries: int = 0  # (B) entries in running calls to it; <= the budget but for one oversized
+    reached: bool = False  # a probe or transfer to it succeeded once
+    dead: Liveness | None = None  # verdict of the last failed probe; None while believed alive
 
 
 class _ProbeCall:
@@ -176,6 +225,9 @@ class MooncakeBackend(TransferBackend):
     ``redis://...``) the session id is ``local_ip`` as given, so make it
     unique per engine (``"10.0.0.5:17777"``).
 
+    Plans go only to peers added with ``add_peer(PeerInfo)``: their regions
+    bound every destination range.
+
     The engine listens on every interface whatever ``local_ip`` says (its RPC
     and TCP-transport ports bind the wildcard address): ``local_ip`` is the
     address peers are told to use, not a filter on who may connect
@@ -184,19 +236,17 @@ class MooncakeBackend(TransferBackend):
 
     name = "mooncake"
 
-    _engine: Any  # mooncake.engine.TransferEngine; None once close() released it
+    _engine: Any  # mooncake.engine.TransferEngine; None once close() let go of it
     _session_id: str
     _lock: threading.Lock  # guards the fields below marked (L)
-    _closed: bool  # (L) once True: submit fails fast, workers stop between batches
+    _closed: bool  # (L) once True: submit fails fast, the loop hands over nothing more
     _caches: dict[int, KVCache]  # (L) id -> registered cache, kept alive while registered
-    _spans: tuple[list[int], list[int]]  # (L) sorted starts/ends of registered memory; replaced
+    _sources: RegionIndex  # (L) registered memory; replaced, never mutated
+    _regions: dict[str, RegionIndex]  # (L) session id -> what the peer advertised
     _live: set[TransferOp]  # (L) submitted and not yet quiesced
     _probes: dict[str, _ProbeCall]  # (L) at most one send_probe per peer in flight
     _peers: dict[str, _PeerState]  # entries are only added; states are mutated in place
-    _queue: queue.SimpleQueue[TransferOp | None]  # None tells one worker to exit
-    _workers: tuple[threading.Thread, ...]
-    _budget: threading.Condition  # (B) guards _PeerState.entries; notified on every release
-    _peer_entries: int  # per-peer budget of entries in running calls
+    _loop: EngineLoop  # the only caller of transfer_submit_write / transfer_check_status
     _max_pending: int
     _probe_timeout_s: float
     _close_timeout_s: float
@@ -211,7 +261,7 @@ class MooncakeBackend(TransferBackend):
         force_tcp: bool = True,
         max_inflight: int | None = None,
         max_pending: int = 1024,
-        max_peer_entries: int = DEFAULT_MAX_PEER_ENTRIES,
+        max_peer_entries: int | None = None,
         transfer_timeout_s: int | None = None,
         probe_timeout_s: float = 1.0,
         close_timeout_s: float = 5.0,
@@ -221,25 +271,23 @@ class MooncakeBackend(TransferBackend):
         ``protocol`` is passed through but does not pick the transport: the
         engine prefers RDMA when a NIC exists, so ``force_tcp`` sets
         MC_FORCE_TCP=1. ``transfer_timeout_s`` sets MC_TRANSFER_TIMEOUT for
-        this engine only (the engine default is 30 s). ``max_inflight`` ops run
-        at once, each busy-spinning one core, so the default is one per core
-        (at most 8): more spinners than cores starve everything else on the
-        host, the dying peer's teardown included, and slow failure detection
-        (measured: 170 ms with 8 on 2 cores, 30-60 ms with 2). At most ``max_pending`` ops may
-        be queued or running before submit answers Backpressure. Calls to one
-        peer carry at most ``max_peer_entries`` entries together: the TCP
-        transport queues ~2048 per peer and fails every call that overflows it.
-        A wildcard ``local_ip`` (0.0.0.0, ::) is logged as a warning.
+        this engine only (the engine default is 30 s); past it an op whose
+        entries have no final status fails PeerLost (or EngineError if the
+        peer answers) and stays quarantined. At most ``max_pending`` ops may
+        be submitted and not quiesced before submit answers Backpressure.
+        Entries to one peer, from submit to final status, are at most
+        ``max_peer_entries`` (default and ceiling: the engine's own per-peer
+        limits, ``engine_peer_budget()``). ``max_inflight`` is accepted and
+        ignored: one engine loop thread replaced the spinning workers. A
+        wildcard ``local_ip`` (0.0.0.0, ::) is logged as a warning.
         """
-        if max_inflight is None:
-            max_inflight = max(1, min(8, os.cpu_count() or 1))
-        for name, value, low in (
-            ("max_inflight", max_inflight, 1),
-            ("max_pending", max_pending, 1),
-            ("max_peer_entries", max_peer_entries, 1),
+        for name, value in (
+            ("max_inflight", 1 if max_inflight is None else max_inflight),
+            ("max_pending", max_pending),
+            ("max_peer_entries", 1 if max_peer_entries is None else max_peer_entries),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if transfer_timeout_s is not None and (
             isinstance(transfer_timeout_s, bool)
             or not isinstance(transfer_timeout_s, int)
@@ -259,7 +307,7 @@ class MooncakeBackend(TransferBackend):
                 "who can reach this host, and the TCP transport has no authentication",
                 fix="give this host's address on a private network (docs/security.md)",
             )
-        self._engine = _make_engine(
+        self._engine, timeout_s, budget = _make_engine(
             local_ip, metadata, protocol, device_name, force_tcp, transfer_timeout_s
         )
         p2p = metadata == P2P_HANDSHAKE
@@ -267,22 +315,19 @@ class MooncakeBackend(TransferBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._caches = {}
-        self._spans = ([], [])
+        self._sources = RegionIndex(())
+        self._regions = {}
         self._live = set()
         self._probes = {}
         self._peers = {}
-        self._queue = queue.SimpleQueue()
-        self._budget = threading.Condition()
-        self._peer_entries = max_peer_entries
         self._max_pending = max_pending
         self._probe_timeout_s = probe_timeout_s
         self._close_timeout_s = close_timeout_s
-        self._workers = tuple(
-            threading.Thread(target=self._work, name=f"kvguard-mooncake-{i}", daemon=True)
-            for i in range(max_inflight)
+        if max_peer_entries is not None:
+            budget = min(budget, max_peer_entries)
+        self._loop = EngineLoop(
+            self._engine, _Hooks(self), budget, timeout_s, f"kvguard-mooncake-{self._session_id}"
         )
-        for t in self._workers:
-            t.start()
 
     @property
     def session_id(self) -> str:
@@ -300,8 +345,14 @@ class MooncakeBackend(TransferBackend):
 
     @property
     def in_flight(self) -> int:
-        """Ops submitted and not yet quiesced."""
+        """Ops submitted and not yet quiesced (quarantined ones included)."""
         return len(self._live)
+
+    def quarantined(self) -> Quarantine:
+        """Ops failed or given up whose entries the engine still holds, and their bytes."""
+        with self._lock:
+            held = [op for op in self._live if op.quarantined]
+        return Quarantine(len(held), sum(op.nbytes for op in held))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._live)} in flight"
@@ -318,7 +369,7 @@ class MooncakeBackend(TransferBackend):
     ) -> None:
         self.close()
 
-    # -- memory registration ------------------------------------------------------
+    # -- memory registration and peers ---------------------------------------------
 
     def register(self, cache: KVCache) -> None:
         """Register every buffer of ``cache``; all or nothing.
@@ -338,7 +389,8 @@ class MooncakeBackend(TransferBackend):
                 rc = engine.register_memory(region.base, region.length, location)
                 if rc != 0:
                     for base in done:  # all or nothing: undo this call's registrations
-                        engine.unregister_memory(base)
+                        if (undo := engine.unregister_memory(base)) != 0:
+                            _log.warning("unregister_failed", base=hex(base), rc=code_name(undo))
                     raise RegistrationError(
                         f"register_memory of buffer {index} at {region.base:#x} "
                         f"(+{region.length}, location {location!r}) returned {code_name(rc)}",
@@ -349,7 +401,7 @@ class MooncakeBackend(TransferBackend):
             self._reindex()
 
     def unregister(self, cache: KVCache) -> None:
-        """Unregister ``cache``. Refused while an op that reads from it is in flight."""
+        """Unregister ``cache``. Refused while an op that reads from it is not quiesced."""
         with self._lock:
             engine = self._open_engine()
             if id(cache) not in self._caches:
@@ -372,9 +424,21 @@ class MooncakeBackend(TransferBackend):
                 code=rc,
             )
 
+    def add_peer(self, info: PeerInfo) -> None:
+        """Let plans write to ``info.session_id``, inside the regions it advertises."""
+        if not isinstance(info, PeerInfo):
+            raise TypeError(f"add_peer needs a PeerInfo, got {type(info).__name__}")
+        index = RegionIndex(info.regions)
+        with self._lock:
+            self._regions[info.session_id] = index
+
+    def remove_peer(self, session_id: str) -> None:
+        """Reject later plans to ``session_id``; ops already submitted run on."""
+        with self._lock:
+            self._regions.pop(session_id, None)
+
     def _reindex(self) -> None:  # caller holds _lock
-        spans = sorted((r for c in self._caches.values() for r in c.regions()), key=_base)
-        self._spans = ([r.base for r in spans], [r.end for r in spans])
+        self._sources = RegionIndex(r for c in self._caches.values() for r in c.regions())
 
     def _open_engine(self) -> Any:
         if self._closed:
@@ -386,27 +450,32 @@ class MooncakeBackend(TransferBackend):
     def submit(self, plan: TransferPlan) -> TransferOp:
         if not isinstance(plan, TransferPlan):
             raise TypeError(f"submit needs a TransferPlan, got {type(plan).__name__}")
-        op = TransferOp(plan)
         if not plan.batches:  # nothing to move is done, and says so at once
-            op._resolve(None)
-            op._quiesce()
-            return op
+            return _finished(TransferOp(plan), None)
+        with self._lock:
+            closed, sources, regions = self._closed, self._sources, self._regions.get(plan.peer)
+        if closed:
+            return _finished(TransferOp(plan), BackendClosed(f"{self} is closed", peer=plan.peer))
+        try:
+            _check_sources(plan, sources, self._session_id)
+            check_destinations(plan, regions)
+        except InvalidPlan as error:
+            return _finished(TransferOp(plan), error)
+        op = EngineOp(plan, self._loop)
         with self._lock:
             if self._closed:
-                error: TransferError = BackendClosed(f"{self} is closed", peer=plan.peer)
+                failure: TransferError = BackendClosed(f"{self} is closed", peer=plan.peer)
             elif len(self._live) >= self._max_pending:
-                error = Backpressure(
+                failure = Backpressure(
                     f"{len(self._live)} ops pending on {self._session_id} "
                     f"(max_pending={self._max_pending})",
                     peer=plan.peer,
                 )
             else:
                 self._live.add(op)
-                self._queue.put(op)
+                self._loop.post(op)
                 return op
-        op._resolve(error)
-        op._quiesce()
-        return op
+        return _finished(op, failure)
 
     def probe(self, peer: str, timeout: float | None = None) -> None:
         """Return if ``peer`` answers within ``timeout`` (default: probe_timeout_s);
@@ -420,162 +489,49 @@ class MooncakeBackend(TransferBackend):
             )
 
     def close(self) -> None:
-        """Stop: fail queued ops, let running ones stop at their next batch, wait
-        up to close_timeout_s for them, then release the engine. Idempotent.
+        """Stop: ops not yet handed over fail BackendClosed; wait up to
+        close_timeout_s for the engine to give every accepted entry a final
+        status; then unregister the memory and let the engine go. Idempotent.
 
-        An engine with a call still running (a frozen peer) is never destroyed:
-        it is kept alive, unused, until the process exits.
+        Memory the engine may still touch (a frozen peer's entries) is never
+        unregistered or freed: the engine, the caches and the loop are kept
+        alive, deliberately leaked, until the process exits, with a warning.
+        The loop goes on polling, so those ops still quiesce when the engine
+        is done with them.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        while True:  # queued ops never reach the engine
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if op is not None:
-                error = BackendClosed(
-                    f"{self} closed before the transfer started", peer=op.plan.peer
-                )
-                self._finish(op, error)
-        for _ in self._workers:
-            self._queue.put(None)
-        deadline = time.monotonic() + self._close_timeout_s
-        me = threading.current_thread()
-        for t in self._workers:
-            if t is not me:  # a done callback may close the backend from a worker
-                t.join(max(0.0, deadline - time.monotonic()))
+        loop = self._loop
+        loop.stop()
+        if threading.current_thread() is not loop.thread:  # a callback may close us
+            loop.thread.join(self._close_timeout_s)
         with self._lock:
-            running = sum(t.is_alive() and t is not me for t in self._workers) + len(self._probes)
             engine, self._engine = self._engine, None
             caches = list(self._caches.values())
             self._caches.clear()
             self._reindex()
-        if running:
-            _ABANDONED.append(engine)
-            _log.warning("engine_abandoned", session=self._session_id, calls_running=running)
+            held = len(self._live)
+            probes = len(self._probes)
+        if loop.thread.is_alive() or probes:
+            _ABANDONED.append((engine, caches, loop))
+            _log.warning(
+                "engine_memory_kept",
+                session=self._session_id,
+                ops_unquiesced=held,
+                probes_running=probes,
+                caches_kept=len(caches),
+                why="the engine may still read or write this memory; unregistering or "
+                "freeing it could corrupt it, so it is kept until the process exits",
+            )
             return
         for cache in caches:
             for region in cache.regions():
-                engine.unregister_memory(region.base)
+                if (rc := engine.unregister_memory(region.base)) != 0:
+                    _log.warning("unregister_failed", base=hex(region.base), rc=code_name(rc))
 
-    # -- worker side ----------------------------------------------------------------
-
-    def _work(self) -> None:
-        get = self._queue.get
-        while (op := get()) is not None:
-            error: TransferError | None = EngineError("worker interrupted", peer=op.plan.peer)
-            try:
-                error = self._execute(op)
-            except Exception as exc:  # the binding raised: a bug or a bad argument
-                error = EngineError(f"transfer to {op.plan.peer} raised {exc!r}", peer=op.plan.peer)
-                error.__cause__ = exc
-            finally:
-                # Only here has the last engine call on the plan returned.
-                self._finish(op, error)
-                # An idle worker must not keep its last op (and its plan) alive.
-                del op, error
-
-    def _finish(self, op: TransferOp, error: TransferError | None) -> None:
-        op._resolve(error)
-        with self._lock:
-            self._live.discard(op)
-        op._quiesce()
-
-    def _execute(self, op: TransferOp) -> TransferError | None:
-        plan = op.plan
-        peer = plan.peer
-        state = self._peer(peer)
-        if state.dead is not None:
-            # A dead peer costs the engine ~1 s of backoff per call; a probe
-            # costs milliseconds and tells whether it came back.
-            verdict, rc = self._liveness(peer)
-            if verdict is not Liveness.ALIVE:
-                return PeerUnreachable(
-                    f"peer {peer} still {verdict.value} ({code_name(rc)}); nothing sent",
-                    peer=peer,
-                    code=rc,
-                )
-        starts, ends = self._spans
-        for index, batch in enumerate(plan.batches):
-            for addr, length in zip(batch.src, batch.lengths, strict=True):
-                i = bisect_right(starts, addr) - 1
-                if i < 0 or addr + length > ends[i] or length <= 0:
-                    return InvalidPlan(
-                        f"batch {index}: source [{addr:#x}, +{length}) is not in memory "
-                        f"registered with {self._session_id}; nothing sent",
-                        peer=peer,
-                    )
-        engine = self._engine
-        if engine is None:  # closed under us; close() waits for this worker
-            return BackendClosed(f"{self} closed before the transfer started", peer=peer)
-        write = engine.batch_transfer_sync_write
-        total = len(plan.batches)
-        for index, batch in enumerate(plan.batches):
-            # A batch over the whole budget runs alone (and the engine fails it).
-            need = min(len(batch.lengths), self._peer_entries)
-            stop = self._stopped(op, index, total) or self._acquire(state, need, op, index, total)
-            if stop is not None:
-                return stop
-            try:
-                rc = write(peer, batch.src, batch.dst, batch.lengths)
-            finally:
-                with self._budget:
-                    state.entries -= need
-                    self._budget.notify_all()
-            if rc != 0:
-                return self._classify(peer, state, rc, index, total)
-            state.reached = True
-        return None
-
-    def _stopped(self, op: TransferOp, index: int, total: int) -> TransferError | None:
-        """Why the op must not start batch ``index``, if it must not."""
-        where = f"before batch {index + 1}/{total}"
-        if op.cancelled:
-            return TransferCancelled(f"cancelled {where}", peer=op.plan.peer)
-        if self._closed:
-            return BackendClosed(f"{self} closed {where}", peer=op.plan.peer)
-        return None
-
-    def _acquire(
-        self, state: _PeerState, need: int, op: TransferOp, index: int, total: int
-    ) -> TransferError | None:
-        """Take ``need`` entries of the peer's budget, or say why the op stopped waiting."""
-        with self._budget:
-            while state.entries + need > self._peer_entries:
-                stop = self._stopped(op, index, total)
-                if stop is not None:
-                    return stop
-                self._budget.wait(_BUDGET_POLL_S)
-            state.entries += need
-        return None
-
-    def _classify(
-        self, peer: str, state: _PeerState, rc: int, index: int, total: int
-    ) -> TransferError:
-        # Bytes may have landed if an earlier batch did, or if the peer was
-        # reachable before this call (the failing batch may be half written).
-        moved = index > 0 or state.reached
-        verdict, probe_rc = self._liveness(peer)
-        cls = FAILURE_CLASS[verdict, moved]
-        _log.warning(
-            "transfer_failed",
-            peer=peer,
-            batch=index,
-            batches=total,
-            rc=rc,
-            liveness=verdict.value,
-            probe_rc=probe_rc,
-            error=cls.__name__,
-        )
-        return cls(
-            f"batch {index + 1}/{total} to {peer} returned {rc}; "
-            f"probe: {verdict.value} ({code_name(probe_rc)})",
-            peer=peer,
-            code=rc,
-        )
+    # -- what the engine loop asks ----------------------------------------------------
 
     def _peer(self, peer: str) -> _PeerState:
         state = self._peers.get(peer)
@@ -583,17 +539,74 @@ class MooncakeBackend(TransferBackend):
             state = self._peers.setdefault(peer, _PeerState())
         return state
 
+    def _check(self, peer: str, wake: Callable[[], None]) -> PeerCheck:
+        check = PeerCheck()
+
+        def run() -> None:
+            try:
+                verdict, rc = self._liveness(peer)
+                check.verdict, check.rc, check.alive = verdict, rc, verdict is Liveness.ALIVE
+            except Exception:  # a bug; the peer counts as gone, which fails safe
+                _log.exception("peer_check_raised", peer=peer)
+                check.verdict = Liveness.REFUSED
+            finally:
+                check.done.set()
+                wake()
+
+        threading.Thread(target=run, name=f"kvguard-check-{peer}", daemon=True).start()
+        return check
+
+    def _failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
+        verdict = check.verdict if isinstance(check.verdict, Liveness) else Liveness.REFUSED
+        peer, plan = op.plan.peer, op.plan
+        cls = FAILURE_CLASS[verdict, op.moved]
+        what = op.failure or f"peer {peer} is {verdict.value}"
+        _log.warning(
+            "transfer_failed",
+            peer=peer,
+            failure=what,
+            entries=plan.num_entries,
+            completed=op.completed,
+            with_engine=op.inflight,
+            liveness=verdict.value,
+            probe_rc=check.rc,
+            error=cls.__name__,
+        )
+        sent = (
+            f"{op.completed}/{plan.num_entries} entries done, {op.inflight} still with the engine"
+            if op.moved
+            else "nothing sent"
+        )
+        return cls(
+            f"transfer to {peer}: {what}; {sent}; probe: {verdict.value} ({code_name(check.rc)})",
+            peer=peer,
+            code=check.rc if verdict is Liveness.REFUSED else None,
+        )
+
+    def _stopped(self, op: EngineOp) -> TransferError | None:
+        total = op.plan.num_entries
+        if op.cancelled:
+            return TransferCancelled(f"cancelled ({total} entries planned)", peer=op.plan.peer)
+        if self._closed:
+            return BackendClosed(f"{self} closed before the transfer ended", peer=op.plan.peer)
+        return None
+
+    def _retire(self, op: EngineOp) -> None:
+        with self._lock:
+            self._live.discard(op)
+
     def _liveness(self, peer: str, timeout: float | None = None) -> tuple[Liveness, int | None]:
         """Probe ``peer``, waiting at most ``timeout``; record the verdict."""
         with self._lock:
             call = self._probes.get(peer)
             if call is None:
-                if self._engine is None:
+                engine = self._engine
+                if engine is None:
                     return Liveness.REFUSED, None
                 call = self._probes[peer] = _ProbeCall()
                 threading.Thread(
                     target=self._probe_thread,
-                    args=(self._engine, peer, call),
+                    args=(engine, peer, call),
                     name=f"kvguard-probe-{peer}",
                     daemon=True,
                 ).start()
@@ -620,6 +633,48 @@ class MooncakeBackend(TransferBackend):
             call.done.set()
 
 
+class _Hooks:
+    """The engine loop's view of its backend (``_poller.Hooks``)."""
+
+    __slots__ = ("_b",)
+
+    def __init__(self, backend: MooncakeBackend) -> None:
+        self._b = backend
+
+    def needs_check(self, peer: str) -> bool:
+        state = self._b._peer(peer)
+        return state.dead is not None or not state.reached
+
+    def start_check(self, peer: str, wake: Callable[[], None]) -> PeerCheck:
+        return self._b._check(peer, wake)
+
+    def failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
+        return self._b._failed(op, check)
+
+    def stopped(self, op: EngineOp) -> TransferError | None:
+        return self._b._stopped(op)
+
+    def retire(self, op: EngineOp) -> None:
+        self._b._retire(op)
+
+
+def _finished(op: TransferOp, error: TransferError | None) -> TransferOp:
+    op._resolve(error)
+    op._quiesce()
+    return op
+
+
+def _check_sources(plan: TransferPlan, sources: RegionIndex, session: str) -> None:
+    for index, batch in enumerate(plan.batches):
+        bad = sources.first_outside(batch.src, batch.lengths)
+        if bad is not None:
+            raise InvalidPlan(
+                f"batch {index}: source [{bad[0]:#x}, +{bad[1]}) is not in memory "
+                f"registered with {session}; nothing sent",
+                peer=plan.peer,
+            )
+
+
 def _make_engine(
     local_ip: str,
     metadata: str,
@@ -627,9 +682,10 @@ def _make_engine(
     device_name: str,
     force_tcp: bool,
     transfer_timeout_s: int | None,
-) -> Any:
+) -> tuple[Any, float, int]:
+    """The initialized engine, its transfer timeout and its per-peer entry limit."""
     try:
-        from mooncake.engine import TransferEngine
+        engine_module = import_engine()
     except ImportError as exc:
         raise EngineError(
             "mooncake.engine is not importable: install mooncake-transfer-engine "
@@ -642,10 +698,15 @@ def _make_engine(
         if transfer_timeout_s is not None:
             os.environ["MC_TRANSFER_TIMEOUT"] = str(transfer_timeout_s)
         try:
-            engine = TransferEngine()
+            # What this engine reads while it is built, read at the same moment.
+            timeout_s = _env_int(
+                "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S, MIN_TRANSFER_TIMEOUT_S
+            )
+            budget = engine_peer_budget()
+            engine = engine_module.TransferEngine()
             rc = engine.initialize(local_ip, metadata, protocol, device_name)
         finally:
-            # Read during construction: restoring keeps other engines' defaults.
+            # Restoring keeps other engines' defaults.
             if saved is None:
                 os.environ.pop("MC_TRANSFER_TIMEOUT", None)
             else:
@@ -657,7 +718,7 @@ def _make_engine(
             peer=metadata,
             code=rc,
         )
-    return engine
+    return engine, float(timeout_s), budget
 
 
 def is_wildcard(local_ip: str) -> bool:
@@ -683,10 +744,6 @@ def _location(device: torch.device) -> str:
     if index is None and device.type == "cuda":
         index = torch.cuda.current_device()
     return template.format(i=index)
-
-
-def _base(region: Region) -> int:
-    return region.base
 
 
 def _reads_from(plan: TransferPlan, regions: tuple[Region, ...]) -> bool:
