@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from transfer import (
     LocalBackend,
     PeerLost,
     PeerUnreachable,
+    RemoteRangeRejected,
     TransferBackend,
     TransferError,
     TransferOp,
@@ -28,6 +30,7 @@ from transfer import (
     TransferTimeout,
     build_plan,
 )
+from transfer.backend import Region
 from transfer.errors import BackendClosed
 
 # One buffer and no runs: every block is one entry, so batch k holds block k
@@ -378,3 +381,19 @@ def test_every_op_settles_and_success_means_integrity(seed: int, rate: float) ->
         assert sum(backend.stats.values()) == 6
     finally:
         backend.close()
+
+
+def test_peers_and_quarantine_reach_the_inner_backend(
+    caches: tuple[KVCache, KVCache], plan: TransferPlan, closer: list[TransferBackend]
+) -> None:
+    b = _wrapped(caches)
+    closer.append(b)
+    info = caches[1].peer_info(PEER)
+    base = info.regions[0].base  # advertise blocks 0..5: block 6 is out of bounds
+    b.add_peer(dataclasses.replace(info, regions=(Region(base, 6 * LAYOUT.block_bytes),)))
+    op = _settled(b.submit(plan))
+    assert isinstance(op.error, RemoteRangeRejected)
+    assert _arrived(caches) == []
+    assert b.quarantined() == (0, 0)
+    b.remove_peer(PEER)
+    assert _settled(b.submit(plan)).error is None

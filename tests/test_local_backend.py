@@ -25,7 +25,7 @@ from transfer import (
     TransferPlan,
     build_plan,
 )
-from transfer.backend import Batch
+from transfer.backend import Batch, Region
 from transfer.errors import BackendClosed
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=32, block_bytes=64)
@@ -135,6 +135,29 @@ def test_destination_must_belong_to_the_named_peer(
     assert isinstance(op.error, RemoteRangeRejected)
     assert "outside peer decode:1" in str(op.error)
     assert not any(t.any() for t in other.tensors)
+
+
+def test_destination_outside_the_advertised_regions_is_rejected_whole(
+    backend: LocalBackend, src: KVCache, dst: KVCache
+) -> None:
+    # The peer advertises only the first half of each buffer: a hand-made plan
+    # into the second half is rejected before any byte of it is copied.
+    info = backend.register_peer("decode:1", dst)
+    half = LAYOUT.buffer_bytes // 2
+    backend.add_peer(
+        dataclasses.replace(info, regions=tuple(Region(r.base, half) for r in info.regions))
+    )
+    ok = build_plan(src, info, [0], [0])
+    last = build_plan(src, info, [LAYOUT.num_blocks - 1], [LAYOUT.num_blocks - 1])
+    both = dataclasses.replace(ok, batches=ok.batches + last.batches)
+    op = _run(backend, both)
+    assert isinstance(op.error, RemoteRangeRejected)
+    assert f"{last.batches[0].dst[0]:#x}" in str(op.error)  # names the bad address
+    assert op.error.reason is FailureReason.INVALID_REQUEST
+    assert not any(t.any() for t in dst.tensors)  # the good batch was not copied either
+    assert backend.quarantined() == (0, 0)
+    backend.remove_peer("decode:1")  # back to the cache's own bounds
+    assert _run(backend, both).error is None
 
 
 def test_zero_length_entry_is_rejected(backend: LocalBackend, src: KVCache, dst: KVCache) -> None:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .backend import TransferBackend, TransferOp, TransferPlan
+from .backend import PeerInfo, Quarantine, TransferBackend, TransferOp, TransferPlan
 from .errors import EngineError, PeerLost, PeerUnreachable, TransferError
 
 __all__ = [
@@ -221,6 +221,16 @@ class FaultInjectingBackend(TransferBackend):
         if lost:
             raise PeerUnreachable(f"peer {peer} is lost (injected)", peer=peer)
         self.inner.probe(peer)
+
+    def add_peer(self, info: PeerInfo) -> None:
+        self.inner.add_peer(info)
+
+    def remove_peer(self, session_id: str) -> None:
+        self.inner.remove_peer(session_id)
+
+    def quarantined(self) -> Quarantine:
+        """The inner backend's quarantine (hung ops have no result: not counted)."""
+        return self.inner.quarantined()
 
     def close(self) -> None:
         """Release every hang, then close the inner backend. Idempotent."""

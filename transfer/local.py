@@ -19,7 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .backend import Batch, PeerInfo, TransferBackend, TransferOp, TransferPlan
+from .backend import (
+    Batch,
+    PeerInfo,
+    RegionIndex,
+    TransferBackend,
+    TransferOp,
+    TransferPlan,
+    check_destinations,
+)
 from .errors import (
     BackendClosed,
     EngineError,
@@ -68,7 +76,9 @@ class LocalBackend(TransferBackend):
     """Copies plans between KVCaches registered with it, on a small thread pool.
 
     Sources must be registered (``register_source``) as well as peers, so
-    that a plan can only read and write memory this backend was shown.
+    that a plan can only read and write memory this backend was shown. A
+    peer's destination ranges must lie in its cache's buffers and, once
+    ``add_peer`` gave its advertisement, in the regions it advertised.
     """
 
     name = "local"
@@ -77,6 +87,7 @@ class LocalBackend(TransferBackend):
     _peers: dict[str, KVCache]
     _sources: dict[int, KVCache]  # id(cache) -> cache
     _peer_maps: dict[str, _AddressMap]  # destination check: only the peer's own buffers
+    _advertised: dict[str, RegionIndex]  # add_peer: a further bound on the peer's destinations
     _all: _AddressMap  # source check: every registered buffer; replaced, never mutated
     _closed: bool  # once True: no new copies start, in-flight ones stop between batches
     _pool: ThreadPoolExecutor
@@ -89,6 +100,7 @@ class LocalBackend(TransferBackend):
         self._peers = {}
         self._sources = {}
         self._peer_maps = {}
+        self._advertised = {}
         self._all = _EMPTY
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvguard-local")
@@ -110,7 +122,20 @@ class LocalBackend(TransferBackend):
         with self._lock:
             self._peers.pop(session_id, None)
             self._peer_maps.pop(session_id, None)
+            self._advertised.pop(session_id, None)
             self._reindex()
+
+    def add_peer(self, info: PeerInfo) -> None:
+        """Bound destinations to ``info.session_id`` by the regions it advertises."""
+        if not isinstance(info, PeerInfo):
+            raise TypeError(f"add_peer needs a PeerInfo, got {type(info).__name__}")
+        index = RegionIndex(info.regions)
+        with self._lock:
+            self._advertised[info.session_id] = index
+
+    def remove_peer(self, session_id: str) -> None:
+        with self._lock:
+            self._advertised.pop(session_id, None)
 
     def register_source(self, cache: KVCache) -> None:
         """Allow plans to read from ``cache``."""
@@ -188,8 +213,11 @@ class LocalBackend(TransferBackend):
         with self._lock:
             dst_map = self._peer_maps.get(peer)
             src_map = self._all
+            advertised = self._advertised.get(peer)
         if dst_map is None:
             raise PeerUnreachable(f"unknown peer {peer!r}", peer=peer)
+        if advertised is not None:  # whole plan, before any byte is copied
+            check_destinations(op.plan, advertised)
         for index, batch in enumerate(op.plan.batches):
             if op.cancelled:
                 raise TransferCancelled(
