@@ -108,6 +108,10 @@ def main(json_path: Path | None = None, quick: bool = False) -> int:
         print(f"  {b.key:28} {value:>12,.3f}   {b.text:42} {'ok' if ok else 'MISSED'}")
     ratio = result["scheduler_requests_per_s"] / result["direct_requests_per_s"]
     print(f"  scheduler / direct requests per second: {ratio:.2f}")
+    extra = result["extra"]
+    for name in ("contiguous", "fragmented"):  # same plan, MooncakeBackend vs raw sync call
+        ours, raw = extra[f"cpu_s_per_gb_{name}"], extra[f"cpu_s_per_gb_{name}_raw"]
+        print(f"  CPU s per GB moved, {name}: {ours:.3f} backend vs {raw:.3f} raw sync call")
     print(f"  machine: {json.dumps(result['machine'])}")
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,12 +10,20 @@ the same registered memory, interleaved (A B A B ...) so that drift on a noisy
 * fragmented: 4096 blocks in short scattered runs, coalesced through the
   scheduler vs the raw engine sending one entry per block (batches of at most
   ``RAW_BATCH`` entries, under the engine's ~2048 limit);
+* CPU: process CPU seconds (every thread: ours, the engine's) per GB moved,
+  ``MooncakeBackend.submit`` (engine loop, submit + poll) vs the raw sync
+  call, on the very same plan;
 * small: many concurrent small requests through the scheduler;
 * dead peer: SIGKILL the decode process with requests in flight, time until
   every one of them is FAILED;
 * frozen peer: SIGSTOP it, how far past its deadline each request ends.
 
-    python -m benchmarks.mooncake_bench [--quick]
+* timeline (``--timeline`` only): the I6 scenario of issue 10 -- freeze the
+  peer, give up at a 1 s deadline, stay frozen past the engine's timeout,
+  refill the source at release, thaw -- and the same with a kill: when the
+  op failed, when it was released, and whether any byte moved after release.
+
+    python -m benchmarks.mooncake_bench [--quick] [--timeline]
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from lifecycle import TransferState
 from scheduler import Finished, Scheduler
 from transfer import KVCache, KVLayout, TransferPlan, build_plan, plan_entries_naive
 from transfer.mooncake import MooncakeBackend
+from transfer.peer_protocol import block_digests
 from transfer.receiver import ReceiverProcess
 
 __all__ = ["run"]
@@ -48,10 +57,40 @@ def _raw(backend: MooncakeBackend, plan: TransferPlan) -> None:
             raise RuntimeError(f"raw batch_transfer_sync_write returned {rc}")
 
 
+def _direct(backend: MooncakeBackend, plan: TransferPlan) -> None:
+    op = backend.submit(plan)
+    op.result(timeout=120)
+    if not op.wait_quiesced(120):
+        raise RuntimeError("op did not quiesce")
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _cpu(fn: Callable[[], None]) -> float:
+    """Process CPU seconds, all threads: a spinning sync call shows here."""
+    c0 = time.process_time()
+    fn()
+    return time.process_time() - c0
+
+
+def _cpu_per_gb(backend: MooncakeBackend, plan: TransferPlan, reps: int) -> tuple[float, float]:
+    """Median CPU s/GB of the backend and of the raw sync call, same plan, paired."""
+    ours, raw = [], []
+    gb = plan.nbytes / 1e9
+    for i in range(reps):
+        a = lambda: _direct(backend, plan)  # noqa: E731
+        b = lambda: _raw(backend, plan)  # noqa: E731
+        if i % 2:
+            raw.append(_cpu(b) / gb)
+            ours.append(_cpu(a) / gb)
+        else:
+            ours.append(_cpu(a) / gb)
+            raw.append(_cpu(b) / gb)
+    return statistics.median(ours), statistics.median(raw)
 
 
 def _through(
@@ -115,6 +154,7 @@ def _datapath(quick: bool) -> dict[str, float]:
             backend.register(src)
             sched = Scheduler(backend, src, workers=2, default_deadline_s=60.0)
             try:
+                backend.add_peer(decode.peer)  # destinations are bounded where plans run
                 sched.add_peer(decode.peer)
                 if name == "contiguous":
                     blocks = list(range(layout.num_blocks))
@@ -136,6 +176,10 @@ def _datapath(quick: bool) -> dict[str, float]:
                 out[f"{name}_gbps"] = round(naive.nbytes / t_sched / 1e9, 3)
                 out[f"{name}_raw_gbps"] = round(naive.nbytes / t_raw / 1e9, 3)
                 out[f"mooncake_ratio_{name}"] = round(ratio, 3)
+                same = build_plan(src, decode.peer, blocks, blocks)
+                ours, raw = _cpu_per_gb(backend, same, reps)
+                out[f"cpu_s_per_gb_{name}"] = round(ours, 3)
+                out[f"cpu_s_per_gb_{name}_raw"] = round(raw, 3)
                 if name == "contiguous":
                     out.update(_small_requests(sched, decode.peer.session_id, quick))
             finally:
@@ -173,6 +217,7 @@ def _failure_detection() -> dict[str, float]:
 
             sched.add_observer(observe)
             try:
+                backend.add_peer(decode.peer)
                 sched.add_peer(decode.peer)
                 peer = decode.peer.session_id
                 blocks = list(range(layout.num_blocks))
@@ -207,6 +252,60 @@ def _failure_detection() -> dict[str, float]:
     return out
 
 
+def timeline(mode: str) -> dict[str, float]:
+    """Issue 10's scenario on the backend alone; times in seconds after submit."""
+    layout = KVLayout(num_layers=1, num_blocks=4096, block_bytes=4096)
+    blocks = list(range(2048))  # 8 MiB a buffer, 4096 entries: one per block
+    with (
+        ReceiverProcess(layout) as decode,
+        MooncakeBackend(transfer_timeout_s=ENGINE_TIMEOUT_S) as backend,
+    ):
+        src = KVCache(layout)
+        src.fill_seeded(1)
+        backend.register(src)
+        backend.add_peer(decode.peer)
+        _direct(backend, build_plan(src, decode.peer, [4000], [4000]))  # connect
+        marks: dict[str, float] = {}
+
+        def refill(_op: object) -> None:
+            marks["released"] = time.monotonic()
+            src.fill_seeded(2)  # reuse the blocks the moment they are released
+
+        decode.freeze()
+        plan = plan_entries_naive(src, decode.peer, blocks, blocks[::-1])
+        t0 = time.monotonic()
+        op = backend.submit(plan)
+        op.add_quiesce_callback(refill)
+        try:
+            op.result(timeout=1.0)
+        except Exception:
+            marks["deadline"] = time.monotonic()
+        if mode == "freeze":
+            time.sleep(ENGINE_TIMEOUT_S + 2.0)  # past the engine's own timeout
+            marks["terminal"] = op.resolved_at or float("nan")
+            marks["thaw"] = time.monotonic()
+            decode.thaw()
+        else:
+            marks["kill"] = time.monotonic()
+            decode.kill()
+        if not op.wait_quiesced(60):
+            raise RuntimeError("op never quiesced")
+        marks.setdefault("terminal", op.resolved_at or float("nan"))
+        out = {f"{k}_s": round(v - t0, 3) for k, v in marks.items()}
+        out["quarantined_mib"] = round(plan.nbytes / 2**20, 1)
+        if mode == "freeze":
+            landed = decode.checksums(blocks[::-1])
+            time.sleep(0.5)
+            again = decode.checksums(blocks[::-1])
+            moved_after = sum(a != b for a, b in zip(landed, again, strict=True))
+            refilled = block_digests(src, blocks)
+            out["dst_blocks_changed_after_release"] = moved_after
+            out["dst_blocks_with_post_release_data"] = sum(
+                a == b for a, b in zip(landed, refilled, strict=True)
+            )
+        return out
+
+
 def run(quick: bool = False) -> dict[str, float]:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     return {**_datapath(quick), **_failure_detection()}
@@ -215,7 +314,15 @@ def run(quick: bool = False) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    for k, v in run(parser.parse_args().quick).items():
+    parser.add_argument("--timeline", action="store_true", help="issue 10's I6 scenario only")
+    args = parser.parse_args()
+    if args.timeline:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+        for mode in ("freeze", "kill"):
+            for k, v in timeline(mode).items():
+                print(f"{mode + ' ' + k:40} {v}")
+        return
+    for k, v in run(args.quick).items():
         print(f"{k:32} {v}")
 
 
