@@ -114,6 +114,7 @@ def _bench_data_path(backend: MooncakeBackend, src: KVCache, quick: bool) -> dic
     reps = 7 if quick else 21
     out: dict[str, object] = {}
     with ReceiverProcess(LAYOUT) as peer:
+        backend.add_peer(peer.peer)
         blocks = list(range(LAYOUT.num_blocks))
         plan = build_plan(src, peer.peer, blocks, blocks)
         raw_s, ours_s, ratio = _compare(_raw(backend, plan), _through(backend, plan), reps)
@@ -158,6 +159,7 @@ def _bench_data_path(backend: MooncakeBackend, src: KVCache, quick: bool) -> dic
 
 def _bench_killed_peer(backend: MooncakeBackend, src: KVCache) -> dict[str, object]:
     with ReceiverProcess(SMALL) as peer:
+        backend.add_peer(peer.peer)
         backend.submit(build_plan(src, peer.peer, [0], [0])).result(timeout=WAIT_S)
         blocks = list(range(SMALL.num_blocks))
         op = backend.submit(plan_entries_naive(src, peer.peer, blocks, blocks[::-1]))
@@ -182,6 +184,7 @@ def _bench_killed_peer(backend: MooncakeBackend, src: KVCache) -> dict[str, obje
 
 def _bench_frozen_peer(backend: MooncakeBackend, src: KVCache, quick: bool) -> dict[str, object]:
     with ReceiverProcess(SMALL) as peer:
+        backend.add_peer(peer.peer)
         backend.submit(build_plan(src, peer.peer, [0], [0])).result(timeout=WAIT_S)
         peer.freeze()
         op = backend.submit(build_plan(src, peer.peer, list(range(64)), list(range(64))))
@@ -195,10 +198,16 @@ def _bench_frozen_peer(backend: MooncakeBackend, src: KVCache, quick: bool) -> d
             "quiesced_at_deadline": op.quiesced,
             "typed": isinstance(error, TransferTimeout),
         }
-        if not quick:  # keep it frozen: the engine gives up after MC_TRANSFER_TIMEOUT
-            op.wait_quiesced(TRANSFER_TIMEOUT_S + 10)
-            out["engine_returned_s"] = time.perf_counter() - t0
-            out["final_error"] = type(op.error).__name__
+        if not quick:  # keep it frozen past MC_TRANSFER_TIMEOUT: the op fails, quarantined
+            out["final_error"] = type(
+                _error_of(lambda: op.result(TRANSFER_TIMEOUT_S + 10))
+            ).__name__
+            out["failed_s"] = time.perf_counter() - t0
+            out["quarantined_at_failure"] = op.quarantined
+            thawed = time.perf_counter()
+            peer.thaw()  # the engine finishes the entries: only now are the blocks released
+            op.wait_quiesced(WAIT_S)
+            out["released_after_thaw_ms"] = (time.perf_counter() - thawed) * 1e3
         else:  # kill it instead: its connection resets and the engine call returns
             killed = time.perf_counter()  # SIGKILL and reaping count too
             peer.kill()
@@ -258,10 +267,11 @@ def _report(r: dict[str, object]) -> str:
         f"frozen peer: {z['error']} after {z['surfaced_s']:.3f} s (deadline {z['deadline_s']} s,"
         f" quiesced then: {z['quiesced_at_deadline']})",
     ]
-    if "engine_returned_s" in z:
+    if "failed_s" in z:
         lines.append(
-            f"  still frozen: engine call returned after {z['engine_returned_s']:.2f} s"
-            f" -> {z['final_error']}"
+            f"  still frozen: {z['final_error']} after {z['failed_s']:.2f} s"
+            f" (quarantined: {z['quarantined_at_failure']}); released"
+            f" {z['released_after_thaw_ms']:.0f} ms after the thaw"
         )
     if "quiesced_after_kill_ms" in z:
         lines.append(f"  killed instead: quiesced {z['quiesced_after_kill_ms']:.1f} ms later")
