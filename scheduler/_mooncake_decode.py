@@ -48,6 +48,8 @@ class MooncakeDecode:
         self._client = client
         self.peer = peer
         self._proc = proc  # None: a remote service, not ours to stop
+        # A local child that exits ends a wait at once; a remote one, its deadline.
+        self._alive = proc.check_alive if proc is not None else None
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one request at a time; guards _gone
         self._gone = False  # killed, frozen or unresponsive: stop asking
@@ -63,7 +65,7 @@ class MooncakeDecode:
             if self._gone:
                 return [None] * len(pairs)
             try:
-                theirs = self._client.checksums(dst, timeout=self._timeout_s)
+                theirs = self._client.checksums(dst, timeout=self._timeout_s, alive=self._alive)
             except _UNANSWERED:
                 self._gone = True
                 return [None] * len(pairs)

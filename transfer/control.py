@@ -182,8 +182,10 @@ class DecodeClient:
             raise PeerProtocolError(f"decode service error {reply.error}: {reply.message}")
         return reply
 
-    def _typed(self, req: Request, kind: type[_R], timeout: float | None) -> _R:
-        reply = self.call(req, timeout=timeout)
+    def _typed(
+        self, req: Request, kind: type[_R], timeout: float | None, alive: Liveness | None
+    ) -> _R:
+        reply = self.call(req, timeout=timeout, alive=alive)
         assert isinstance(reply, kind)  # call() checked it against REPLY_OF
         return reply
 
@@ -193,20 +195,22 @@ class DecodeClient:
         assert isinstance(reply, PeerMessage)
         return peer_info_of(reply)
 
-    def checksums(self, blocks: list[int], *, timeout: float | None = None) -> bytes:
+    def checksums(
+        self, blocks: list[int], *, timeout: float | None = None, alive: Liveness | None = None
+    ) -> bytes:
         """DIGEST_SIZE bytes per block (``peer_protocol.block_digest_bytes``)."""
-        reply = self._typed(ChecksumRequest(blocks), ChecksumReply, timeout)
+        reply = self._typed(ChecksumRequest(blocks), ChecksumReply, timeout, alive)
         if len(reply.digests) != DIGEST_SIZE * len(blocks):
             raise PeerProtocolError(
                 f"{self.endpoint}: {len(reply.digests)} digest bytes for {len(blocks)} blocks"
             )
         return reply.digests
 
-    def zero(self, *, timeout: float | None = None) -> None:
-        self.call(ZeroRequest(), timeout=timeout)
+    def zero(self, *, timeout: float | None = None, alive: Liveness | None = None) -> None:
+        self.call(ZeroRequest(), timeout=timeout, alive=alive)
 
-    def ping(self, *, timeout: float | None = None) -> int:
-        return self._typed(PingRequest(), PingReply, timeout).pid
+    def ping(self, *, timeout: float | None = None, alive: Liveness | None = None) -> int:
+        return self._typed(PingRequest(), PingReply, timeout, alive).pid
 
     def close(self) -> None:
         self.channel.close()

@@ -305,7 +305,7 @@ class ReceiverProcess:
             env=self._env,
         )
         self._client = DecodeClient(self.endpoint, timeout_s=self._reply_timeout_s)
-        self._peer = self._client.peer(timeout=self._ready_timeout_s, alive=self._check_alive)
+        self._peer = self._client.peer(timeout=self._ready_timeout_s, alive=self.check_alive)
         return self._peer
 
     @property
@@ -349,23 +349,23 @@ class ReceiverProcess:
             body = msgspec.msgpack.encode(dict(command))
         except (TypeError, ValueError, OverflowError) as exc:
             raise PeerProtocolError(f"request not encodable: {exc}") from exc
-        reply = self.client.call_raw(body, timeout=timeout, alive=self._check_alive)
+        reply = self.client.call_raw(body, timeout=timeout, alive=self.check_alive)
         if reply.__struct_config__.tag != command.get("cmd"):
             raise PeerProtocolError(f"{type(reply).__name__} in reply to {command.get('cmd')!r}")
         return msgspec.structs.asdict(reply)
 
     def send_raw(self, frame: bytes, timeout: float | None = None) -> dict[str, Any]:
         """Send ``frame`` unvalidated as one request (tests of the child's validation)."""
-        reply = self.client.call_raw(frame, timeout=timeout, alive=self._check_alive)
+        reply = self.client.call_raw(frame, timeout=timeout, alive=self.check_alive)
         return msgspec.structs.asdict(reply)
 
     def checksums(self, blocks: Sequence[int]) -> list[str]:
         """sha256 hex of each destination block (``peer_protocol.block_digests``)."""
-        raw = self.client.checksums(list(blocks))
+        raw = self.client.checksums(list(blocks), alive=self.check_alive)
         return [raw[i : i + DIGEST_SIZE].hex() for i in range(0, len(raw), DIGEST_SIZE)]
 
     def zero(self) -> None:
-        self.client.zero()
+        self.client.zero(alive=self.check_alive)
 
     # -- signals -------------------------------------------------------------------------
 
@@ -413,7 +413,7 @@ class ReceiverProcess:
         self._stderr.seek(max(0, size - limit))
         return self._stderr.read().decode(errors="replace")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         """Raise PeerProtocolError once the child has exited (a wait need not run out)."""
         proc = self._proc
         if proc is not None and proc.poll() is not None:
