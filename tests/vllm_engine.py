@@ -22,6 +22,7 @@ the connector's completions are collected without a client request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -86,15 +87,17 @@ def main() -> None:
 
     def usage() -> dict[str, Any]:
         conn = connector()
-        holding = None
+        holding = sender = None
         worker = _worker_connector()
-        if worker is not None and worker.sender is not None:
+        if worker is not None and getattr(worker, "sender", None) is not None:
             holding = worker.sender.holding()
+            sender = dataclasses.asdict(worker.sender.stats)
         return {
             "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks,
             "requests": len(sched.requests),
             "holding": holding,
+            "sender": sender,
             "connector": type(conn).__name__ if conn else None,
         }
 

@@ -43,6 +43,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from scheduler import RetryPolicy
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
 from transfer.backend import TransferBackend
 from transfer.mooncake import MooncakeBackend
@@ -52,9 +53,9 @@ from .receiver import DecodeReceiver
 from .sender import PrefillSender
 
 if TYPE_CHECKING:
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -78,6 +79,7 @@ class _Settings:
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
     workers: int = 4
+    max_attempts: int = 3  # kvguard's bounded retries of retryable transfer errors
     fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
     fault_seed: int = 0
     fault_kinds: tuple[str, ...] = ("error_code", "raise", "fail_batch")
@@ -125,7 +127,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
         if cfg.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ValueError(f"KVGuardConnector needs kv_producer or kv_consumer, not {cfg.kv_role}")
+            raise ValueError(
+                f"KVGuardConnector needs kv_producer or kv_consumer, not {cfg.kv_role}"
+            )
         tp = vllm_config.parallel_config.tensor_parallel_size
         if tp != 1:
             raise NotImplementedError(f"KVGuardConnector supports tensor parallel size 1, not {tp}")
@@ -249,13 +253,16 @@ class KVGuardConnector(KVConnectorBase_V1):
             mover: TransferBackend = self.backend
             if s.fault_rate > 0:
                 kinds = [FaultKind(k) for k in s.fault_kinds]
-                mover = FaultInjectingBackend(self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds))
+                mover = FaultInjectingBackend(
+                    self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds)
+                )
             self.sender = PrefillSender(
                 mover,
                 self.cache,
                 f"tcp://*:{s.control_port}" if s.host != "127.0.0.1" else self.endpoint,
                 peer_backends=(self.backend,),
                 workers=s.workers,
+                retry=RetryPolicy(max_attempts=s.max_attempts),
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)

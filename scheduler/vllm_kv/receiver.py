@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -42,12 +43,18 @@ __all__ = ["DecodeReceiver", "Outcome"]
 _log = structlog.get_logger("kvguard.vllm.receiver")
 
 _POLL_MS: Final = 5
+_RECENT: Final = 4096  # outcomes kept for inspection
 _EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_CLOSED
 )
+_EVENT_WORDS: Final[dict[int, str]] = {
+    int(zmq.EVENT_DISCONNECTED): "connection dropped",
+    int(zmq.EVENT_CONNECT_RETRIED): "connection refused",
+    int(zmq.EVENT_CLOSED): "connection closed",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +109,11 @@ class DecodeReceiver:
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[Outcome] = []  # (L) not yet taken
-        self.outcomes: dict[str, Outcome] = {}  # (L) every outcome, for inspection
+        self.outcomes: OrderedDict[str, Outcome] = OrderedDict()  # (L) the last _RECENT
         self._links: dict[str, _Link] = {}  # receiver thread only
         self._waits: dict[str, _Wait] = {}  # receiver thread only
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="kvguard-vllm-receiver", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="kvguard-vllm-receiver", daemon=True)
         self._thread.start()
 
     # -- engine side -----------------------------------------------------------
@@ -252,11 +257,7 @@ class DecodeReceiver:
             # Disconnected (a kill closes the socket; unanswered heartbeats
             # close it too) or refused: nothing in flight to it can complete.
             link.up, link.down = False, True
-            what = {
-                zmq.EVENT_DISCONNECTED: "connection dropped",
-                zmq.EVENT_CONNECT_RETRIED: "connection refused",
-                zmq.EVENT_CLOSED: "connection closed",
-            }.get(ev, f"event {ev}")
+            what = _EVENT_WORDS.get(int(ev), f"event {ev}")
             for remote_id, rid in list(link.waits.items()):
                 del link.waits[remote_id]
                 self._finish(rid, False, "peer_lost", f"prefill {endpoint}: {what}")
@@ -296,3 +297,5 @@ class DecodeReceiver:
         with self._lock:
             self._finished.append(out)
             self.outcomes[rid] = out
+            while len(self.outcomes) > _RECENT:
+                self.outcomes.popitem(last=False)

@@ -57,6 +57,10 @@ _log = structlog.get_logger("kvguard.vllm.sender")
 
 _POLL_MS: Final = 5  # how often the thread looks at deadlines and its outbox
 _RECENT: Final = 4096  # finished ids remembered to answer a late push
+# A push may arrive before the engine's hold (one engine step later); it
+# waits this long at most, and at most this many wait at once.
+_EARLY_WAIT_S: Final = 10.0
+_MAX_EARLY: Final = 4096
 
 
 @dataclass(slots=True)
@@ -108,6 +112,7 @@ class PrefillSender:
         self._released: set[str] = set()  # (L) released, not yet taken by the engine
         self._recent: OrderedDict[str, str] = OrderedDict()  # (L) id -> how it ended
         self._outbox: deque[tuple[bytes, bytes]] = deque()  # (L) results to send
+        self._starts: deque[tuple[str, bytes, Push]] = deque()  # (L) pushes matched by hold()
         self._peers: dict[str, PeerInfo] = {}  # sender thread only
         self.stats = SenderStats()  # (L)
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
@@ -123,9 +128,7 @@ class PrefillSender:
         self._sock = sock
         self.endpoint = str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="kvguard-vllm-sender", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="kvguard-vllm-sender", daemon=True)
         self._thread.start()
         _log.info("sender_listening", endpoint=self.endpoint)
 
@@ -143,8 +146,8 @@ class PrefillSender:
             heapq.heappush(self._deadlines, (deadline, request_id))
             self.stats.held += 1
             early = self._early.pop(request_id, None)
-        if early is not None:
-            self._start(request_id, early[0], early[1])
+            if early is not None:  # the sender thread starts it (it owns peers)
+                self._starts.append((request_id, early[0], early[1]))
 
     def take_released(self) -> set[str]:
         """Requests whose blocks nothing touches any more; each is returned once."""
@@ -176,6 +179,12 @@ class PrefillSender:
                         except zmq.Again:
                             break
                         self._receive(frames)
+                while True:
+                    with self._lock:
+                        if not self._starts:
+                            break
+                        rid, ident, push = self._starts.popleft()
+                    self._start(rid, ident, push)
                 self._flush()
                 self._expire(time.monotonic())
             except Exception:  # the thread must outlive any one bad message
@@ -198,13 +207,16 @@ class PrefillSender:
         with self._lock:
             held = self._held.get(rid)
             ended = self._recent.get(rid)
-            if held is None and ended is None:
-                # The engine has not told us yet: wait for hold(), or the deadline.
-                self._early[rid] = (ident, msg, time.monotonic() + msg.deadline_s)
-                heapq.heappush(self._deadlines, (time.monotonic() + msg.deadline_s, rid))
+            early = held is None and ended is None and len(self._early) < _MAX_EARLY
+            if early:
+                # The engine has not told us yet: wait for hold(), briefly.
+                until = time.monotonic() + min(msg.deadline_s, _EARLY_WAIT_S)
+                self._early[rid] = (ident, msg, until)
+                heapq.heappush(self._deadlines, (until, rid))
                 return
         if held is None:
-            self._reply(ident, Result(rid, False, "unknown_request", f"request {ended}"))
+            what = f"request {ended}" if ended else "too many unknown requests"
+            self._reply(ident, Result(rid, False, "unknown_request", what))
         elif held.pushed:
             _log.warning("push_duplicate", request=rid)
         else:

@@ -1,0 +1,415 @@
+"""Two real vLLM engines, real Mooncake: the kvguard connector end to end.
+
+Each engine is its own OS process (``tests/vllm_engine.py``, driven over
+pipes by this test, the "client"); prefill and decode talk to each other only
+through the connector: ZeroMQ over TCP for control, Mooncake over TCP for
+the KV bytes. Runs in ``.venv-vllm`` (``scripts/vllm-env.sh``); skipped
+elsewhere unless KVGUARD_REQUIRE_VLLM=1, which turns the skip into a failure.
+
+Scenarios (issue 13): clean run with a negative control, prefill killed,
+prefill frozen, decode killed, injected faults. Every request is recorded
+(outcome, time to terminal, tokens equal to the aggregated engine's) in
+``.venv-vllm/vllm-report.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
+else:
+    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-llama"))
+REPORT = ROOT / ".venv-vllm" / "vllm-report.json"
+DEADLINE_S = 5.0  # per request, both sides
+SLACK_S = 1.0  # "within its deadline plus a second"
+MAX_TOKENS = 16
+N = 8
+_rng = random.Random(13)
+PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(33, 100))] for _ in range(N)]
+
+_report: dict[str, Any] = {"scenarios": {}, "engines": []}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """One vLLM engine process; events from its stdout, commands to its stdin."""
+
+    def __init__(self, name: str, role: str = "", policy: str = "fail", **extra: Any) -> None:
+        self.name = name
+        args = [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "--model", str(MODEL)]
+        if role:
+            args += ["--role", role, "--policy", policy, "--extra", json.dumps(extra)]
+            if role == "kv_consumer":
+                args += ["--connector", "CorruptingKVGuardConnector"]
+                args += ["--module", "vllm_corrupt_connector"]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.log = ROOT / ".venv-vllm" / f"engine-{name}.log"
+        self._logf = self.log.open("w")
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._logf,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        self.pid = self.proc.pid
+        self._events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.finished: dict[str, dict[str, Any]] = {}
+        self.sent: dict[str, float] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._next(lambda e: e["ev"] == "ready", 300)
+        self.startup_s = ready["startup_s"]
+        self.free_blocks0 = ready["free_blocks"]
+        _report["engines"].append({"name": name, "startup_s": round(self.startup_s, 2)})
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self._events.put(json.loads(line))
+        self._events.put(None)
+
+    def _next(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                ev = self._events.get(timeout=left)
+            except queue.Empty:
+                break
+            if ev is None:
+                raise RuntimeError(f"engine {self.name} exited; see {self.log}")
+            if ev["ev"] == "finished":
+                ev["t_end"] = time.monotonic()
+                self.finished[ev["id"]] = ev
+            if pred(ev):
+                return ev
+        raise TimeoutError(f"engine {self.name}: no event within {timeout}s; see {self.log}")
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
+        self.sent[rid] = time.monotonic()
+        self.send(op="add", id=rid, prompt=prompt, max_tokens=max_tokens, kv_transfer_params=params)
+
+    def wait(self, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+        """Each request's finished event; TimeoutError if one does not finish."""
+        end = time.monotonic() + timeout
+        for rid in ids:
+            if rid not in self.finished:
+                self._next(
+                    lambda e, rid=rid: e["ev"] == "finished" and e["id"] == rid,
+                    max(0.0, end - time.monotonic()),
+                )
+        return {rid: self.finished[rid] for rid in ids}
+
+    def usage(self) -> dict[str, Any]:
+        self.send(op="usage")
+        return self._next(lambda e: e["ev"] == "usage", 30)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)  # by pid; SIGKILL ends a stopped one too
+        self.proc.wait(30)
+        self._logf.close()
+
+
+@contextlib.contextmanager
+def engine(name: str, role: str = "", policy: str = "fail", **extra: Any) -> Iterator[Engine]:
+    e = Engine(name, role, policy, **extra)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def producer(name: str, **extra: Any) -> contextlib.AbstractContextManager[Engine]:
+    return engine(
+        name,
+        "kv_producer",
+        kvguard_control_port=_free_port(),
+        kvguard_deadline_s=DEADLINE_S,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    yield
+    REPORT.write_text(json.dumps(_report, indent=1))
+    print(f"\nvLLM report: {REPORT}")
+    for name, rows in _report["scenarios"].items():
+        print(f"== {name}")
+        for r in rows:
+            print("  ", r)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Greedy tokens of one aggregated engine (no connector) for PROMPTS."""
+    with engine("aggregated") as agg:
+        for i, p in enumerate(PROMPTS):
+            agg.add(f"a{i}", p, MAX_TOKENS)
+        out = agg.wait([f"a{i}" for i in range(N)], 120)
+        per = [out[f"a{i}"]["latency_s"] for i in range(N)]
+        _report["aggregated_latency_s"] = [round(x, 3) for x in per]
+        return [out[f"a{i}"]["tokens"] for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def decode_fail() -> Iterator[Engine]:
+    with engine("decode-fail", "kv_consumer", "fail", kvguard_deadline_s=DEADLINE_S) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def decode_recompute() -> Iterator[Engine]:
+    with engine("decode-recompute", "kv_consumer", "recompute", kvguard_deadline_s=DEADLINE_S) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def prefill_main() -> Iterator[Engine]:
+    with producer("prefill-main") as p:
+        yield p
+
+
+def prefill(p: Engine, ids: list[str], prompts: list[list[int]]) -> dict[str, Any]:
+    for rid, prompt in zip(ids, prompts, strict=True):
+        p.add(rid, prompt, 1, {"do_remote_decode": True})
+    out = p.wait(ids, 60)
+    for rid in ids:
+        assert out[rid]["finish_reason"] == "length", out[rid]
+        assert out[rid]["kv_transfer_params"]["do_remote_prefill"] is True
+    return {rid: out[rid]["kv_transfer_params"] for rid in ids}
+
+
+def row(d: Engine, rid: str, ref: list[int] | None) -> dict[str, Any]:
+    ev = d.finished[rid]
+    return {
+        "request": rid,
+        "engine": d.name,
+        "outcome": ev["finish_reason"],
+        "time_to_terminal_s": round(ev["t_end"] - d.sent[rid], 3),
+        "tokens_equal": None if ref is None else ev["tokens"] == ref,
+        "external_tokens": ev["external_tokens"],
+    }
+
+
+def record(scenario: str, rows: list[dict[str, Any]]) -> None:
+    _report["scenarios"].setdefault(scenario, []).extend(rows)
+
+
+# -- 1. clean ------------------------------------------------------------------------
+
+
+def test_clean_run_matches_aggregated_and_control_has_teeth(
+    reference: list[list[int]], prefill_main: Engine, decode_fail: Engine
+) -> None:
+    ids = [f"clean-{i}" for i in range(N)]
+    params = prefill(prefill_main, ids, PROMPTS)
+    for i, rid in enumerate(ids):
+        decode_fail.add(rid, PROMPTS[i], MAX_TOKENS, params[rid])
+    out = decode_fail.wait(ids, DEADLINE_S + 30)
+    rows = [row(decode_fail, rid, reference[i]) for i, rid in enumerate(ids)]
+    record("1 clean", rows)
+    for i, rid in enumerate(ids):
+        assert out[rid]["finish_reason"] == "length", out[rid]
+        assert out[rid]["tokens"] == reference[i], rid
+        assert out[rid]["external_tokens"] == len(PROMPTS[i]), out[rid]  # used the transfer
+
+    # Negative control: the same path, loaded blocks overwritten with noise.
+    bad = [f"corrupt-{i}" for i in range(N)]
+    params = prefill(prefill_main, bad, PROMPTS)
+    for i, rid in enumerate(bad):
+        decode_fail.add(rid, PROMPTS[i], MAX_TOKENS, params[rid])
+    out = decode_fail.wait(bad, DEADLINE_S + 30)
+    control = [row(decode_fail, rid, reference[i]) for i, rid in enumerate(bad)]
+    record("1 clean (negative control: corrupted KV)", control)
+    assert all(out[rid]["finish_reason"] == "length" for rid in bad)
+    differ = sum(out[rid]["tokens"] != reference[i] for i, rid in enumerate(bad))
+    assert differ == N, f"corrupted KV changed only {differ} of {N} outputs"
+    # The prefill let go of every block once the decodes had them.
+    _wait_free(prefill_main, prefill_main.free_blocks0, DEADLINE_S + SLACK_S)
+
+
+def _wait_free(p: Engine, want: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        u = p.usage()
+        if u["free_blocks"] == want:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{p.name}: {u['free_blocks']} free blocks, want {want}: {u}")
+        time.sleep(0.05)
+
+
+# -- 2 and 3. prefill killed / frozen mid-run -------------------------------------
+
+
+def _prefill_dies(
+    scenario: str,
+    sig: int,
+    reference: list[list[int]],
+    decodes: list[Engine],
+) -> None:
+    before = 3  # requests completed before the prefill dies
+    with producer(f"prefill-{scenario.split()[1]}") as p:
+        ids = {d.name: [f"{scenario.split()[1]}-{d.name}-{i}" for i in range(N)] for d in decodes}
+        params = prefill(p, [r for d in decodes for r in ids[d.name]], PROMPTS * len(decodes))
+        for d in decodes:
+            for i in range(before):
+                d.add(ids[d.name][i], PROMPTS[i], MAX_TOKENS, params[ids[d.name][i]])
+        for d in decodes:
+            d.wait(ids[d.name][:before], DEADLINE_S + 30)
+        for d in decodes:  # the rest, then the prefill dies while they are asked
+            for i in range(before, N):
+                d.add(ids[d.name][i], PROMPTS[i], MAX_TOKENS, params[ids[d.name][i]])
+        p.signal(sig)
+        t_sig = time.monotonic()
+        for d in decodes:
+            d.wait(ids[d.name], DEADLINE_S + SLACK_S + 30)  # records; bounds checked below
+        for d in decodes:
+            rows = [row(d, rid, reference[i]) for i, rid in enumerate(ids[d.name])]
+            record(scenario, rows)
+            for i, (rid, r) in enumerate(zip(ids[d.name], rows, strict=True)):
+                ev = d.finished[rid]
+                assert r["time_to_terminal_s"] <= DEADLINE_S + SLACK_S, r
+                if i < before:
+                    assert ev["finish_reason"] == "length" and r["tokens_equal"], r
+                elif d.name == "decode-fail":
+                    # Affected: an error; a push that beat the signal may have landed.
+                    assert ev["finish_reason"] == "error" or r["tokens_equal"], r
+                else:
+                    assert ev["finish_reason"] == "length" and r["tokens_equal"], r
+            if d.name == "decode-fail":
+                errors = sum(d.finished[r]["finish_reason"] == "error" for r in ids[d.name])
+                assert errors >= 1, "no request was affected: the scenario tested nothing"
+        _report.setdefault("signal_to_last_terminal_s", {})[scenario] = round(
+            max(d.finished[r]["t_end"] for d in decodes for r in ids[d.name]) - t_sig, 3
+        )
+
+
+def test_prefill_killed_mid_run(
+    reference: list[list[int]], decode_fail: Engine, decode_recompute: Engine
+) -> None:
+    _prefill_dies("2 killed", signal.SIGKILL, reference, [decode_fail, decode_recompute])
+
+
+def test_prefill_frozen_mid_run(
+    reference: list[list[int]], decode_fail: Engine, decode_recompute: Engine
+) -> None:
+    _prefill_dies("3 frozen", signal.SIGSTOP, reference, [decode_fail, decode_recompute])
+
+
+# -- 4. decode killed ------------------------------------------------------------
+
+
+def test_decode_killed_frees_prefill_blocks(prefill_main: Engine) -> None:
+    free0 = prefill_main.usage()["free_blocks"]
+    ids = [f"dk-{i}" for i in range(N)]
+    done, asked = 2, 3  # finished before the kill, asked right before it; the rest never
+    with engine("decode-killed", "kv_consumer", "fail", kvguard_deadline_s=DEADLINE_S) as d:
+        params = prefill(prefill_main, ids, PROMPTS)
+        held = prefill_main.usage()
+        assert held["free_blocks"] < free0, held  # the prefill holds them for the decode
+        for i in range(done):
+            d.add(ids[i], PROMPTS[i], MAX_TOKENS, params[ids[i]])
+        d.wait(ids[:done], DEADLINE_S + 30)
+        pushed = prefill_main.usage()["sender"]["pushed"]
+        for i in range(done, done + asked):
+            d.add(ids[i], PROMPTS[i], MAX_TOKENS, params[ids[i]])
+        # Kill it once the prefill has these pushes (their transfers may be
+        # in flight or done; the decode never finishes the requests).
+        t_ask = time.monotonic()
+        while prefill_main.usage()["sender"]["pushed"] < pushed + asked:
+            assert time.monotonic() - t_ask < DEADLINE_S, "the decode never asked"
+        d.signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+    _wait_free(prefill_main, free0, DEADLINE_S + SLACK_S)
+    since_kill = time.monotonic() - t_kill
+    stats = prefill_main.usage()["sender"]
+    record(
+        "4 decode killed",
+        [
+            {
+                "requests": N,
+                "finished_before_kill": done,
+                "asked_just_before_kill": asked,
+                "never_asked": N - done - asked,
+                "free_blocks_before": free0,
+                "free_blocks_while_held": held["free_blocks"],
+                "blocks_back_after_kill_s": round(since_kill, 3),
+                "prefill_sender": stats,
+            }
+        ],
+    )
+    assert since_kill <= DEADLINE_S + SLACK_S
+
+
+# -- 5. injected faults ------------------------------------------------------------
+
+
+def test_injected_faults_every_request_finishes(
+    reference: list[list[int]], decode_fail: Engine, decode_recompute: Engine
+) -> None:
+    # One attempt per transfer: each injected fault becomes a failed load that
+    # vLLM sees (with kvguard's default retries most would be absorbed).
+    with producer(
+        "prefill-faults", kvguard_fault_rate=0.3, kvguard_fault_seed=5, kvguard_max_attempts=1
+    ) as p:
+        decodes = [decode_fail, decode_recompute]
+        ids = {d.name: [f"faults-{d.name}-{i}" for i in range(N)] for d in decodes}
+        params = prefill(p, [r for d in decodes for r in ids[d.name]], PROMPTS * 2)
+        for d in decodes:
+            for i in range(N):
+                d.add(ids[d.name][i], PROMPTS[i], MAX_TOKENS, params[ids[d.name][i]])
+        for d in decodes:
+            d.wait(ids[d.name], DEADLINE_S + SLACK_S + 30)
+        stats = p.usage()
+        for d in decodes:
+            rows = [row(d, rid, reference[i]) for i, rid in enumerate(ids[d.name])]
+            record("5 faults 0.3", rows)
+            for r in rows:
+                assert r["time_to_terminal_s"] <= DEADLINE_S + SLACK_S, r
+                if d.name == "decode-recompute" or r["outcome"] != "error":
+                    assert r["outcome"] == "length" and r["tokens_equal"], r
+        _report["faults_sender_stats"] = stats["sender"]
+        assert stats["sender"]["failed"] >= 1, stats  # faults were injected and surfaced
+        _wait_free(p, p.free_blocks0, DEADLINE_S + SLACK_S)
