@@ -27,6 +27,7 @@ models), CPU or CUDA tensors that are contiguous per layer.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ _log = structlog.get_logger("kvguard.vllm")
 P_ENDPOINT = "kvguard_endpoint"
 P_REQUEST = "kvguard_request_id"
 P_DEADLINE = "kvguard_deadline_s"
+_RECENT = 4096
 
 
 @dataclass
@@ -139,7 +141,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._meta = KVGuardMetadata()
         self._loading: set[str] = set()  # decode: requests whose load was handed to the worker
-        self.external_tokens: dict[str, int] = {}  # decode: tokens loaded per request
+        # decode: tokens loaded, for the last _RECENT requests (inspection, tests)
+        self.external_tokens: OrderedDict[str, int] = OrderedDict()
         # Worker side.
         self.cache: KVCache | None = None
         self.backend: MooncakeBackend | None = None
@@ -191,6 +194,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._meta.loads.append((request.request_id, list(block_ids), endpoint, remote, deadline))
         self._loading.add(request.request_id)
         self.external_tokens[request.request_id] = num_external_tokens
+        while len(self.external_tokens) > _RECENT:
+            self.external_tokens.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVGuardMetadata()
