@@ -46,7 +46,8 @@ _BUSY_SLEEP_S: Final = 0.0001  # between passes while entries finish
 _MAX_SLEEP_S: Final = 0.002  # back-off ceiling while anything moved in the last _RECENT_S
 _STALL_SLEEP_S: Final = 0.02  # ceiling once nothing moved for _RECENT_S (a frozen peer)
 _RECENT_S: Final = 0.1
-_STALE_EVERY_S: Final = 0.25  # how often ops are compared with the engine's own timeout
+_STALE_EVERY_S: Final = 0.25  # how often every entry is checked and ops are compared
+# with the engine's own timeout
 
 
 class EngineOp(TransferOp):
@@ -182,10 +183,11 @@ class EngineLoop:
                 progress = self._take()
                 if self._stopping:
                     self._halt_waiting()
+                sweep = time.monotonic() >= next_stale  # look past the unfinished head too
                 for peer in list(self._peers.values()):
-                    progress |= self._judge(peer) | self._submit(peer) | self._poll(peer)
+                    progress |= self._judge(peer) | self._submit(peer) | self._poll(peer, sweep)
                 now = time.monotonic()
-                if now >= next_stale:
+                if sweep:
                     self._check_stale(now)
                     next_stale = now + _STALE_EVERY_S
                 if self._stopping and not self._ops and not self._inbox:
@@ -296,7 +298,9 @@ class EngineLoop:
                 self._settle(op)
         return progress
 
-    def _poll(self, peer: _Peer) -> bool:
+    def _poll(self, peer: _Peer, sweep: bool) -> bool:
+        """Collect final statuses; a sweep checks every entry, not just the head
+        (entries behind a stuck head can fail first: admission timeouts)."""
         flying = peer.flying
         if not flying:
             return False
@@ -304,7 +308,8 @@ class EngineLoop:
         keep: list[tuple[int, EngineOp]] = []
         unfinished = scanned = 0
         n = len(flying)
-        while scanned < n and unfinished < _SCAN_AHEAD:
+        ahead = n if sweep else _SCAN_AHEAD
+        while scanned < n and unfinished < ahead:
             bid, op = flying[scanned]
             scanned += 1
             rc = check(bid)
