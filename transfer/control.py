@@ -242,9 +242,12 @@ class ControlServer:
         if sock is None:
             raise RuntimeError("control server is closed")
         while not stop.is_set():
-            if not sock.poll(int(1000 * poll_s), zmq.POLLIN):
+            try:
+                if not sock.poll(int(1000 * poll_s), zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:  # readable, then not: nothing to answer
                 continue
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             if len(frames) != 3 or len(frames[1]) != _ID.size:
                 _log.debug("malformed_envelope", frames=len(frames))
                 continue
