@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -660,3 +663,20 @@ def test_killed_frozen_peer_releases_within_seconds_of_the_kill(
         assert time.monotonic() - killed < 3.0
         assert op.done and op.error is not None
         assert op.error.reason is FailureReason.PEER_LOST, op.error
+
+
+# -- the engine's own log lines ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "loud"), [(None, False), ("1", True)])
+def test_engine_info_lines_are_quiet_unless_asked_for(flag: str | None, loud: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "KVGUARD_ENGINE_LOG")}
+    if flag is not None:
+        env["KVGUARD_ENGINE_LOG"] = flag
+    code = "from transfer.mooncake import MooncakeBackend; MooncakeBackend().close()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = [line for line in proc.stderr.splitlines() if line.startswith("I")]
+    assert bool(info) is loud, proc.stderr[-2000:]
