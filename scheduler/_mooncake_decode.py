@@ -150,4 +150,7 @@ def start_mooncake_decode(
     except BaseException:
         decode.close()
         raise
+    # The backend writes only inside regions it was told about ("learn or
+    # replace": a scheduler that forwards its own add_peer does no harm).
+    backend.add_peer(decode.peer)
     return backend, decode
