@@ -138,3 +138,15 @@ def test_garbage_on_the_wire_changes_nothing(pair: Pair) -> None:
     with pytest.raises(Exception, match="bad message"):
         decode_from_decode(b"\xff")
     test_push_lands_and_both_sides_report_once(pair)  # still serving
+
+
+def test_nobody_listening_at_first_contact_fails_at_once(pair: Pair) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    pair.receiver.expect("d1", f"127.0.0.1:{port}", "r1", [1], time.monotonic() + 30)
+    assert pair.until(lambda: "d1" in pair.outcomes, 5.0) < 1.0
+    out = pair.outcomes["d1"]
+    assert not out.ok and out.reason == "peer_lost" and "refused" in out.detail, out

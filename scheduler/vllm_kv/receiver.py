@@ -53,7 +53,7 @@ _EVENTS: Final = (
 _EVENT_WORDS: Final[dict[int, str]] = {
     int(zmq.EVENT_DISCONNECTED): "connection dropped",
     int(zmq.EVENT_CONNECT_RETRIED): "connection refused",
-    int(zmq.EVENT_CLOSED): "connection closed",
+    int(zmq.EVENT_CLOSED): "connection refused or closed",
 }
 
 
