@@ -9,6 +9,8 @@ real Mooncake cache to ``kvguard run --decode`` over TCP and stops cleanly.
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import signal
 import subprocess
@@ -331,7 +333,7 @@ def _decode_service(*extra: str) -> tuple[subprocess.Popen[str], str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={"MC_FORCE_TCP": "1", **__import__("os").environ},
+        env={**os.environ, "MC_FORCE_TCP": "1"},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # printed once it listens
@@ -352,12 +354,12 @@ def test_kvguard_run_drives_a_decode_service_over_tcp_and_it_stops_cleanly() -> 
     try:
         cfg = RunConfig(requests=30, blocks_per_request=4, progress=False, decode=address, **SMALL)  # type: ignore[arg-type]
         for _ in range(2):  # the service outlives a run, and serves the next one
-            summary = run(cfg, out=open("/dev/null", "w"))  # noqa: SIM115
+            summary = run(cfg, out=io.StringIO())
             assert summary.ok() == [] and summary.done == 30, summary
             assert summary.integrity_errors == 0 and summary.unverified == 0
         other = RunConfig(requests=1, decode=address, layers=2, blocks=32, block_bytes=4096)
         with pytest.raises(ValueError, match="start it with the same"):
-            run(other, out=open("/dev/null", "w"))  # noqa: SIM115
+            run(other, out=io.StringIO())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         client = DecodeClient(address, timeout_s=0.3)  # nobody listens any more
