@@ -43,18 +43,26 @@ module is, so ``transfer`` imports on hosts without the wheel.
 from __future__ import annotations
 
 import enum
-import importlib
-import ipaddress
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType, TracebackType
+from types import TracebackType
 from typing import Any, Final
 
 import structlog
-import torch
 
+from ._engine import (
+    DEFAULT_MAX_PEER_ENTRIES,
+    ENGINE_CODES,
+    MIN_TRANSFER_TIMEOUT_S,
+    P2P_HANDSHAKE,
+    code_name,
+    engine_peer_budget,
+    import_engine,
+    is_wildcard,
+    location,
+    make_engine,
+)
 from ._poller import EngineLoop, EngineOp, PeerCheck
 from .backend import (
     PeerInfo,
@@ -80,6 +88,7 @@ from .errors import (
 from .layout import KVCache
 
 __all__ = [
+    "DEFAULT_MAX_PEER_ENTRIES",
     "ENGINE_CODES",
     "FAILURE_CLASS",
     "P2P_HANDSHAKE",
@@ -92,47 +101,6 @@ __all__ = [
 ]
 
 _log = structlog.get_logger("kvguard.transfer")
-
-P2P_HANDSHAKE: Final = "P2PHANDSHAKE"
-MIN_TRANSFER_TIMEOUT_S: Final = 5  # the engine clamps MC_TRANSFER_TIMEOUT to at least this
-DEFAULT_TRANSFER_TIMEOUT_S: Final = 30
-# The TCP transport's per-peer limits (tcp_transport in the engine) and their defaults.
-ENGINE_PEER_LIMITS: Final[Mapping[str, int]] = {
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": 1024,
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": 1024,
-}
-# Kept for callers that import it: the default budget with the engine defaults.
-DEFAULT_MAX_PEER_ENTRIES: Final = sum(ENGINE_PEER_LIMITS.values())
-ENGINE_LOG_ENV: Final = "KVGUARD_ENGINE_LOG"  # "1": keep the engine's INFO/WARNING lines
-
-# error.h: what register_memory, unregister_memory, send_probe and initialize
-# return. transfer_submit_write returns an id (0 or (uint64)-1 when refused);
-# transfer_check_status 0 running, 1 done, -1 failed, -2 timed out.
-ENGINE_CODES: Final[Mapping[int, str]] = {
-    0: "OK",
-    -1: "ERR_INVALID_ARGUMENT",
-    -2: "ERR_TOO_MANY_REQUESTS",
-    -3: "ERR_ADDRESS_NOT_REGISTERED",
-    -4: "ERR_BATCH_BUSY",
-    -6: "ERR_DEVICE_NOT_FOUND",
-    -7: "ERR_ADDRESS_OVERLAPPED",
-    -101: "ERR_DNS",
-    -102: "ERR_SOCKET",
-    -103: "ERR_MALFORMED_JSON",
-    -104: "ERR_REJECT_HANDSHAKE",
-    -200: "ERR_METADATA",
-    -201: "ERR_ENDPOINT",
-    -202: "ERR_CONTEXT",
-    -300: "ERR_NUMA",
-    -301: "ERR_CLOCK",
-    -302: "ERR_MEMORY",
-}
-
-
-def code_name(rc: int | None) -> str:
-    if rc is None:
-        return "no answer"
-    return f"{rc} {ENGINE_CODES.get(rc, 'unknown code')}"
 
 
 class Liveness(enum.Enum):
@@ -154,44 +122,10 @@ FAILURE_CLASS: Final[Mapping[tuple[Liveness, bool], type[TransferError]]] = {
     (Liveness.SILENT, True): PeerLost,
 }
 
-# torch device type -> engine location string; "{i}" is the device index.
-_LOCATIONS: Final[Mapping[str, str]] = {"cpu": "*", "cuda": "cuda:{i}"}
-
 # (engine, caches, loop) of backends closed while the engine still held
 # entries or probes: destroying the engine or freeing the memory under them
 # would be a use-after-free, so they live until the process ends.
 _ABANDONED: list[tuple[object, ...]] = []
-
-# os.environ is process-global and the engine reads it while it is built.
-_ENV_LOCK = threading.Lock()
-
-
-def import_engine() -> ModuleType:
-    """Import ``mooncake.engine`` with its glog INFO/WARNING lines silenced.
-
-    The library reads MC_LOG_LEVEL once, when it loads (measured: setting it
-    later, or GLOG_minloglevel at any time, changes nothing). Set
-    KVGUARD_ENGINE_LOG=1, or MC_LOG_LEVEL yourself, to keep the engine's lines.
-    """
-    if os.environ.get(ENGINE_LOG_ENV, "") not in ("1", "true", "yes"):
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    return importlib.import_module("mooncake.engine")
-
-
-def _env_int(name: str, default: int, low: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    return max(low, value)
-
-
-def engine_peer_budget() -> int:
-    """Entries the TCP transport holds per peer: queued plus pending admission."""
-    return sum(_env_int(name, default, 1) for name, default in ENGINE_PEER_LIMITS.items())
 
 
 @dataclass(slots=True)
@@ -307,7 +241,7 @@ class MooncakeBackend(TransferBackend):
                 "who can reach this host, and the TCP transport has no authentication",
                 fix="give this host's address on a private network (docs/security.md)",
             )
-        self._engine, timeout_s, budget = _make_engine(
+        self._engine, timeout_s, budget = make_engine(
             local_ip, metadata, protocol, device_name, force_tcp, transfer_timeout_s
         )
         p2p = metadata == P2P_HANDSHAKE
@@ -379,21 +313,21 @@ class MooncakeBackend(TransferBackend):
         """
         if not isinstance(cache, KVCache):
             raise RegistrationError(f"register needs a KVCache, got {type(cache).__name__}")
-        location = _location(cache.device)
+        where = location(cache.device)
         with self._lock:
             engine = self._open_engine()
             if id(cache) in self._caches:
                 raise RegistrationError(f"{cache!r} is already registered with {self}")
             done: list[int] = []
             for index, region in enumerate(cache.regions()):
-                rc = engine.register_memory(region.base, region.length, location)
+                rc = engine.register_memory(region.base, region.length, where)
                 if rc != 0:
                     for base in done:  # all or nothing: undo this call's registrations
                         if (undo := engine.unregister_memory(base)) != 0:
                             _log.warning("unregister_failed", base=hex(base), rc=code_name(undo))
                     raise RegistrationError(
                         f"register_memory of buffer {index} at {region.base:#x} "
-                        f"(+{region.length}, location {location!r}) returned {code_name(rc)}",
+                        f"(+{region.length}, location {where!r}) returned {code_name(rc)}",
                         code=rc,
                     )
                 done.append(region.base)
@@ -673,77 +607,6 @@ def _check_sources(plan: TransferPlan, sources: RegionIndex, session: str) -> No
                 f"registered with {session}; nothing sent",
                 peer=plan.peer,
             )
-
-
-def _make_engine(
-    local_ip: str,
-    metadata: str,
-    protocol: str,
-    device_name: str,
-    force_tcp: bool,
-    transfer_timeout_s: int | None,
-) -> tuple[Any, float, int]:
-    """The initialized engine, its transfer timeout and its per-peer entry limit."""
-    try:
-        engine_module = import_engine()
-    except ImportError as exc:
-        raise EngineError(
-            "mooncake.engine is not importable: install mooncake-transfer-engine "
-            "(or -non-cuda) and the libibverbs1 system package"
-        ) from exc
-    with _ENV_LOCK:
-        saved = os.environ.get("MC_TRANSFER_TIMEOUT")
-        if force_tcp:
-            os.environ["MC_FORCE_TCP"] = "1"
-        if transfer_timeout_s is not None:
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(transfer_timeout_s)
-        try:
-            # What this engine reads while it is built, read at the same moment.
-            timeout_s = _env_int(
-                "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S, MIN_TRANSFER_TIMEOUT_S
-            )
-            budget = engine_peer_budget()
-            engine = engine_module.TransferEngine()
-            rc = engine.initialize(local_ip, metadata, protocol, device_name)
-        finally:
-            # Restoring keeps other engines' defaults.
-            if saved is None:
-                os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-            else:
-                os.environ["MC_TRANSFER_TIMEOUT"] = saved
-    if rc != 0:
-        raise RegistrationError(
-            f"TransferEngine.initialize({local_ip!r}, {metadata!r}, {protocol!r}, "
-            f"{device_name!r}) returned {code_name(rc)}",
-            peer=metadata,
-            code=rc,
-        )
-    return engine, float(timeout_s), budget
-
-
-def is_wildcard(local_ip: str) -> bool:
-    """True for an address that means "every interface": 0.0.0.0, ::, [::]:port, ""."""
-    host = local_ip.strip()
-    if host.startswith("["):  # [v6]:port
-        host = host[1:].partition("]")[0]
-    elif host.count(":") == 1:  # v4:port or name:port
-        host = host.partition(":")[0]
-    if host in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:  # a host name
-        return False
-
-
-def _location(device: torch.device) -> str:
-    template = _LOCATIONS.get(device.type)
-    if template is None:
-        raise RegistrationError(f"the engine cannot register {device.type} memory")
-    index = device.index
-    if index is None and device.type == "cuda":
-        index = torch.cuda.current_device()
-    return template.format(i=index)
 
 
 def _reads_from(plan: TransferPlan, regions: tuple[Region, ...]) -> bool:
