@@ -120,7 +120,9 @@ class Hooks(Protocol):
         """The error of ``op`` (failure or not) given the verdict on its peer."""
 
     def stopped(self, op: EngineOp) -> TransferError | None:
-        """Why ``op`` must not hand over more entries (cancelled, closed), if so."""
+        """Why ``op`` must not hand over more entries (cancelled, closed), if so.
+        Once the backend is closing it must answer for every op: ``stop`` only
+        wakes the loop, this decides."""
 
     def retire(self, op: EngineOp) -> None:
         """``op`` is quiesced: forget it."""
