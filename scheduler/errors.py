@@ -7,6 +7,7 @@ from typing import ClassVar
 from lifecycle import FailureReason
 
 __all__ = [
+    "DriverFailed",
     "DuplicateRequest",
     "InvalidRequest",
     "SchedulerClosed",
@@ -44,5 +45,15 @@ class UnknownPeer(SchedulerError, KeyError):
 
 class SchedulerClosed(SchedulerError, RuntimeError):
     """submit() after close()."""
+
+    reason = FailureReason.SHUTDOWN
+
+
+class DriverFailed(SchedulerError, RuntimeError):
+    """The thread stepping the scheduler died; the cause is chained and logged.
+
+    Raised by submit() and by a wait() that can no longer be answered, so a
+    dead driver is never silent. Live requests are not advanced any more.
+    """
 
     reason = FailureReason.SHUTDOWN

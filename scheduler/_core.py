@@ -1,0 +1,417 @@
+"""The scheduler core: sans-I/O, single owner of request progress.
+
+In the spirit of h11, the core never reads a clock, never sleeps, never
+starts a thread and never runs user code. Time is given to ``step(now)``;
+everything that happened since the last step waits in the inbox. One step:
+
+1. applies the inbox, in arrival order: new requests, terminal transitions
+   made elsewhere (abort, peer removal, close), op results, quiescence and
+   probe results;
+2. fires due deadlines: a request not terminal at the first step at or after
+   its deadline becomes FAILED(TIMEOUT) in that step (I4);
+3. starts the retries whose backoff ended;
+4. admits queued requests, highest priority first, under ``max_in_flight``;
+5. hands out the terminal requests whose ops have all quiesced (I6);
+
+and repeats 1-5 until the inbox is empty. It returns what became terminal,
+what may be released, which peers to probe, and when it next needs a step.
+Drivers (``_drivers.py``) and the facade do the rest: run callbacks, probes.
+
+Who may end a request (I2): the core (complete, a typed failure, TIMEOUT,
+PEER_LOST, the guard), and any thread through the request's lifecycle
+(abort, peer removal, close). The lifecycle's lock makes the first one win;
+its done-hook posts to the inbox, so the core learns of every ending.
+
+The guard: each request advances through ``_work`` -- its worker body --
+one step at a time, always inside ``_advance``. A body that raises ends its
+request with ``exit_reason`` (WORKER_CRASHED for an ordinary exception); a
+body that returns without waiting on something (an op, a backoff) and
+without a terminal transition ends it with WORKER_EXITED (I3).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+import structlog
+
+from lifecycle import FailureReason, Journal, TransferState, exit_reason
+from transfer import (
+    PeerInfo,
+    PeerLost,
+    PeerUnreachable,
+    TransferBackend,
+    TransferError,
+    TransferOp,
+    TransferPlan,
+    TransferTimeout,
+)
+
+from ._deadlines import Timers
+from ._peers import Peers
+from ._records import Finished, ReleaseCallback, RetryPolicy
+from ._release import Quarantine, ReleaseChecks
+from ._requests import Phase, Request, RequestTable, ScheduledLifecycle
+
+__all__ = ["SchedulerCore", "StepResult"]
+
+_log = structlog.get_logger("kvguard.scheduler")
+_QUEUE_COMPACT_MIN = 64
+
+
+class StepResult(NamedTuple):
+    finished: list[Finished]  # became terminal in this step, in order
+    releases: list[Request]  # terminal and quiesced: run their release, then forget them
+    probes: list[str]  # peers to probe now; report with probe_result()
+    wakers: list[Callable[[], object]]  # waiters of the finished requests, to wake
+    next_at: float | None  # step again by then at the latest (None: only on input)
+
+
+class SchedulerCore:
+    """Request state and its transitions; driven by ``step(now)``."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        *,
+        max_in_flight: int,
+        retry: RetryPolicy,
+        probe_interval_s: float,
+        peer_lost_after_probes: int,
+        journal: Journal | None,
+        defer: Callable[[Callable[[], object]], None],
+    ) -> None:
+        self.backend = backend
+        self.retry = retry
+        self.max_in_flight = max_in_flight
+        self.probe_interval_s = probe_interval_s
+        self.journal = journal
+        self.defer = defer  # runs a user callback on the callback thread
+        self.table = RequestTable(Peers(peer_lost_after_probes))
+        self.checks = ReleaseChecks()
+        # Everything below belongs to the thread inside step(), under _lock;
+        # readers (metrics) take _lock too and never see a half-applied step.
+        self._lock = threading.Lock()
+        self._now = 0.0  # the time step() was given
+        self._queue: list[tuple[int, int, Request]] = []  # (-priority, seq, QUEUED request)
+        self._queue_stale = 0  # queue items no longer QUEUED
+        self._seq = 0
+        self._running = 0  # requests RUNNING or in BACKOFF; <= max_in_flight
+        self._deadlines: Timers[Request] = Timers(lambda r, _due: r.phase < Phase.FINISHED)
+        self._backoffs: Timers[Request] = Timers(lambda r, _due: r.phase == Phase.BACKOFF)
+        self._quarantine = Quarantine()
+        self._finished: list[Finished] = []  # this step's outcomes
+        self._reported: list[Request] = []  # this step's terminal requests
+        self._releases: list[Request] = []  # this step's hand-outs
+        self.done = 0
+        self.failed: Counter[str] = Counter()
+        self.bytes_done = 0
+
+    # -- any thread: inputs ----------------------------------------------------------
+
+    def new_request(
+        self,
+        request_id: str,
+        plan: TransferPlan,
+        now: float,
+        deadline_s: float,
+        priority: int,
+        release: ReleaseCallback | None,
+    ) -> Request:
+        lc = ScheduledLifecycle(
+            request_id, self.defer, max_attempts=self.retry.max_attempts, journal=self.journal
+        )
+        req = Request(lc, plan, now, deadline_s, priority, release)
+        post = self.table.post
+        lc.on_terminal(lambda _lc: post(self._on_terminal, req))
+        return req
+
+    def accept(self, req: Request, info: PeerInfo) -> None:
+        """Admit ``req`` (see RequestTable.admit); the caller retries on LookupError."""
+        self.table.admit(req, info, self._on_new, _settle)
+        self.table.wake()
+
+    def probe_result(self, session_id: str, error: BaseException | None) -> None:
+        self.table.post(self._on_probe, session_id, error)
+
+    def add_peer(self, info: PeerInfo) -> int:
+        with self.table.lock:
+            _, stranded = self.table.peers.add(info)
+        err = PeerLost(f"peer {info.session_id} was replaced", peer=info.session_id)
+        return _fail(stranded, FailureReason.PEER_LOST, err)
+
+    def remove_peer(self, session_id: str) -> int | None:
+        with self.table.lock:
+            peer = self.table.peers.remove(session_id)
+        if peer is None:
+            return None
+        _log.info("peer_removed", peer=session_id, live_requests=len(peer.live))
+        err = PeerLost(f"peer {session_id} was removed", peer=session_id)
+        return _fail(list(peer.live), FailureReason.PEER_LOST, err)
+
+    def lose_peer(self, session_id: str, err: TransferError) -> int | None:
+        """Mark lost and fail its live requests; None if the peer is unknown."""
+        with self.table.lock:
+            if self.table.peers.get(session_id) is None:
+                return None
+            newly, victims = self.table.peers.lose(session_id)
+        if newly:
+            _log.warning("peer_lost", peer=session_id, live_requests=len(victims))
+        return _fail(victims, FailureReason.PEER_LOST, err)
+
+    def shutdown(self) -> list[Request]:
+        """Refuse submits; fail every live request with SHUTDOWN."""
+        live = self.table.close()
+        _fail(live, FailureReason.SHUTDOWN, None)
+        self.table.wake()
+        return live
+
+    # -- the step ------------------------------------------------------------------
+
+    def step(self, now: float) -> StepResult:
+        table = self.table
+        with self._lock:
+            self._now = now
+            inbox = table.inbox
+            while True:
+                while inbox:
+                    fn, args = inbox.popleft()
+                    fn(*args)
+                for req in self._deadlines.pop_due(now):
+                    self._expire(req)
+                for req in self._backoffs.pop_due(now):
+                    self._advance(req)
+                self._admit()
+                if not inbox:
+                    break
+            with table.lock:
+                probes = table.peers.due_probes(now, self.probe_interval_s)
+                probe_at = table.peers.next_probe_at()
+            finished, self._finished = self._finished, []
+            releases, self._releases = self._releases, []
+            reported, self._reported = self._reported, []
+            times = [
+                t for t in (self._deadlines.next_due(), self._backoffs.next_due()) if t is not None
+            ]
+            if probe_at is not None:
+                times.append(probe_at)
+        wakers = table.report(reported) if reported else []
+        return StepResult(finished, releases, probes, wakers, min(times) if times else None)
+
+    # -- inbox handlers (step only) -------------------------------------------------
+
+    def _on_new(self, req: Request) -> None:
+        req.phase = Phase.QUEUED
+        if req.lc.is_terminal:  # empty plan, dead peer, or ended before we saw it
+            self._finish(req)
+            return
+        self._deadlines.push(req.deadline, req)
+        self._seq += 1
+        heapq.heappush(self._queue, (-req.priority, self._seq, req))
+
+    def _on_terminal(self, req: Request) -> None:
+        if req.phase != Phase.NEW:  # NEW: _on_new, later in the inbox, finishes it
+            self._finish(req)
+
+    def _on_op_done(self, req: Request, op: TransferOp) -> None:
+        if req.phase == Phase.RUNNING and op is req.op:
+            self._advance(req)
+
+    def _on_op_quiesced(self, req: Request, op: TransferOp) -> None:
+        req.unquiesced -= 1
+        if req.phase == Phase.FINISHED and self._quarantine.take(req):
+            self._releases.append(req)
+
+    def _on_probe(self, session_id: str, error: BaseException | None) -> None:
+        with self.table.lock:
+            verdict = self.table.peers.probed(
+                session_id, error is None, self._now, self.probe_interval_s
+            )
+        if verdict == "lost":
+            self.lose_peer(session_id, PeerLost(f"probe failed: {error}", peer=session_id))
+        elif verdict == "alive":
+            _log.info("peer_alive", peer=session_id)
+
+    # -- timers and admission (step only) ------------------------------------------------
+
+    def _expire(self, req: Request) -> None:
+        lc = req.lc
+        lc.fail(
+            FailureReason.TIMEOUT,
+            TransferTimeout(
+                f"request {req.request_id!r} missed its deadline "
+                f"(in state {lc.state.name}, attempt {lc.attempt})",
+                peer=req.peer,
+            ),
+        )
+        self._finish(req, expired=True)
+
+    def _admit(self) -> None:
+        queue = self._queue
+        while self._running < self.max_in_flight and queue:
+            req = heapq.heappop(queue)[2]
+            if req.phase != Phase.QUEUED:
+                self._queue_stale -= 1
+                continue
+            self._running += 1
+            req.phase = Phase.RUNNING
+            self._advance(req)
+
+    # -- one request's worker, guarded (step only) -------------------------------------
+
+    def _advance(self, req: Request) -> None:
+        """Run the request's worker body once, inside the guard (I3)."""
+        lc = req.lc
+        try:
+            waiting = self._work(req)
+        except BaseException as exc:
+            waiting = False
+            if lc.fail(exit_reason(exc), exc):
+                _log.error("worker_crashed", request_id=req.request_id, exc_info=exc)
+        if not waiting:
+            if not lc.is_terminal:
+                lc.fail(FailureReason.WORKER_EXITED)
+            self._finish(req)
+
+    def _work(self, req: Request) -> bool:
+        """The worker body: True while it waits for an op or a backoff."""
+        op = req.op
+        if op is None:
+            return self._start_attempt(req)
+        req.op = None
+        return self._conclude(req, op)
+
+    def _start_attempt(self, req: Request) -> bool:
+        if not req.lc.start():
+            return False  # ended while queued or backing off
+        req.phase = Phase.RUNNING
+        op = self.backend.submit(req.plan)
+        req.op = op
+        req.ops.append(op)
+        post = self.table.post
+        op.add_quiesce_callback(lambda o: post(self._on_op_quiesced, req, o))
+        req.unquiesced += 1
+        op.add_done_callback(lambda o: post(self._on_op_done, req, o))
+        return True
+
+    def _conclude(self, req: Request, op: TransferOp) -> bool:
+        """The op has its result: complete, fail with its reason, or back off."""
+        lc, err = req.lc, op.error
+        if err is None:
+            lc.complete()
+            return False
+        if err.reason is FailureReason.PEER_LOST:
+            self.lose_peer(req.peer, err)
+            lc.fail(err.reason, err)
+            return False
+        if not (err.retryable and lc.attempt < lc.max_attempts):
+            lc.fail(err.reason, err)
+            return False
+        if not lc.retry():
+            return False
+        req.phase = Phase.BACKOFF
+        self._backoffs.push(self._now + self.retry.delay(lc.attempt), req)
+        return True
+
+    # -- terminal, quarantine, release (step only) -----------------------------------------
+
+    def _finish(self, req: Request, *, expired: bool = False) -> None:
+        phase = req.phase
+        if phase >= Phase.FINISHED or phase == Phase.NEW:
+            return
+        if phase == Phase.QUEUED:
+            self._queue_stale += 1
+            self._compact_queue()
+        else:
+            self._running -= 1
+            if phase == Phase.BACKOFF:
+                self._backoffs.discard()
+        if not expired:
+            self._deadlines.discard()
+        op, req.op = req.op, None
+        if op is not None:
+            op.cancel()  # no new batches; the running one ends or times out
+        lc = req.lc
+        _detach_traceback(lc.error)
+        if lc.state is TransferState.DONE:
+            self.done += 1
+            self.bytes_done += req.plan.nbytes
+        else:
+            self.failed[lc.reason.name if lc.reason else "UNKNOWN"] += 1
+        fin = Finished(
+            req.request_id,
+            lc.state,
+            lc.reason,
+            lc.error,
+            lc.attempt,
+            req.peer,
+            req.plan.nbytes,
+            self._now - req.submitted,
+        )
+        req.finished = fin
+        self._finished.append(fin)
+        self._reported.append(req)
+        self._quarantine.hold(req)
+        if self._quarantine.take(req):
+            self._releases.append(req)
+
+    def _compact_queue(self) -> None:
+        queue = self._queue
+        if len(queue) >= _QUEUE_COMPACT_MIN and 2 * self._queue_stale > len(queue):
+            self._queue = [x for x in queue if x[2].phase == Phase.QUEUED]
+            heapq.heapify(self._queue)
+            self._queue_stale = 0
+
+    # -- reads (any thread) ------------------------------------------------------------
+
+    def quarantine(self) -> tuple[int, int]:
+        """(requests, bytes) terminal but not yet releasable; call under ``lock``."""
+        return len(self._quarantine), self._quarantine.nbytes
+
+    def sizes(self) -> dict[str, int]:
+        """Sizes of every container the core keeps (I8: bounded by live requests)."""
+        with self._lock:
+            return {
+                "table": len(self.table),
+                "queue": len(self._queue),
+                "deadlines": len(self._deadlines),
+                "backoffs": len(self._backoffs),
+                "quarantine": len(self._quarantine),
+                "inbox": len(self.table.inbox),
+            }
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+
+def _settle(req: Request, alive: bool) -> None:
+    # Under the table lock, before the core sees the request.
+    lc = req.lc
+    if not req.plan.batches:
+        # Nothing to send (a full prefix-cache hit): DONE at once, never
+        # "pending forever because no transfer will report it".
+        lc.start()
+        lc.complete()
+    elif not alive:
+        lc.fail(
+            FailureReason.PEER_LOST,
+            PeerUnreachable(f"peer {req.peer} is marked lost; not sending", peer=req.peer),
+        )
+
+
+def _fail(reqs: list[Request], reason: FailureReason, err: BaseException | None) -> int:
+    return sum(r.lc.fail(reason, err) for r in reqs)
+
+
+def _detach_traceback(exc: BaseException | None) -> None:
+    """Drop the frames an error pins (they hold plans, ops, tensors); keep the error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -1,0 +1,107 @@
+"""Release after quiesce (I6): quarantine in the core, the callback outside it.
+
+A terminal request's blocks may still be read or written by an engine call
+that has not returned (a timed-out transfer is not a cancelled one). The
+core keeps such a request in ``Quarantine`` until every op submitted for it
+has quiesced, then hands it out exactly once. ``run_release`` runs the
+user's release callback on the callback thread, re-checking both halves of
+I6 on its own evidence (the ops' own quiesced flags, the table's record of
+who is being released): a violation is counted in the metrics, and a second
+release is never performed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from ._requests import Phase, Request, RequestTable
+
+__all__ = ["Quarantine", "ReleaseChecks", "run_release"]
+
+_log = structlog.get_logger("kvguard.scheduler")
+
+
+class Quarantine:
+    """Terminal requests waiting for their ops to quiesce (core-owned)."""
+
+    __slots__ = ("_held", "nbytes")
+
+    _held: dict[Request, None]  # FINISHED requests not yet handed out, in terminal order
+    nbytes: int  # sum of their plans' bytes
+
+    def __init__(self) -> None:
+        self._held = {}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, req: Request) -> None:
+        req.phase = Phase.FINISHED
+        self._held[req] = None
+        self.nbytes += req.plan.nbytes
+
+    @staticmethod
+    def ready(req: Request) -> bool:
+        """May its blocks be given back? Only when no op can touch them."""
+        return req.unquiesced == 0
+
+    def take(self, req: Request) -> bool:
+        """Hand ``req`` out if it is held and ready; True exactly once per request."""
+        if req not in self._held or not self.ready(req):
+            return False
+        del self._held[req]
+        self.nbytes -= req.plan.nbytes
+        req.phase = Phase.RELEASING
+        return True
+
+
+class ReleaseChecks:
+    """The I6 detectors' counters, and who is being released right now."""
+
+    __slots__ = ("_lock", "_running", "before_quiesce", "double")
+
+    _lock: threading.Lock
+    _running: set[Request]  # release callbacks running, to tell a second release
+    before_quiesce: int  # releases that found an op of the request not quiesced
+    double: int  # releases of a request already released or not in the table
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = set()
+        self.before_quiesce = 0
+        self.double = 0
+
+    def begin(self, req: Request, table: RequestTable) -> bool:
+        with self._lock:
+            holds = table.find(req.request_id) is req
+            if req in self._running or not holds:
+                self.double += 1
+                return False
+            self._running.add(req)
+            if not all(op.quiesced for op in req.ops):
+                self.before_quiesce += 1
+            return True
+
+    def end(self, req: Request) -> None:
+        with self._lock:
+            self._running.discard(req)
+
+
+def run_release(req: Request, table: RequestTable, checks: ReleaseChecks) -> None:
+    """Callback thread: the user's release callback, then the id is free again."""
+    if not checks.begin(req, table):
+        _log.error("double_release", request_id=req.request_id)
+        return
+    try:
+        fin = req.finished
+        if req.release is not None and fin is not None:
+            try:
+                req.release(req.request_id, fin)
+            except BaseException:
+                _log.exception("release_callback_failed", request_id=req.request_id)
+    finally:
+        table.forget(req)
+        checks.end(req)

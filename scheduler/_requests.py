@@ -1,0 +1,305 @@
+"""The request table: every request from submit() until its release.
+
+``Request`` is one request's record. ``RequestTable`` is the scheduler's
+only thread-safe state, under one lock: the ids in use (so that submit()
+can answer DuplicateRequest at once), the peers (so that peer changes are
+atomic with submit), the inbox through which other threads hand inputs to
+the core, the waiters of wait()/wait_async(), and a bounded memory of
+released requests. Everything else about a request belongs to the core,
+which alone runs step().
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from lifecycle import DoneCallback, FailureReason, Journal, RequestLifecycle, TransferState
+from transfer import PeerInfo, TransferOp, TransferPlan
+
+from ._peers import Peers
+from ._records import Finished, ReleaseCallback
+from .errors import DuplicateRequest, SchedulerClosed, UnknownPeer
+
+__all__ = ["RECENT", "Phase", "Request", "RequestTable", "ScheduledLifecycle", "Tombstone"]
+
+RECENT = 4096  # released requests remembered for wait()/abort()/get()
+
+
+class Phase:
+    """Where a request is in the core; only ever increases."""
+
+    NEW = 0  # accepted by submit(); the core has not seen it yet
+    QUEUED = 1  # waits for an in-flight slot (admission by priority)
+    RUNNING = 2  # holds a slot; an op is in flight
+    BACKOFF = 3  # holds a slot; waits to retry
+    FINISHED = 4  # terminal and reported; quarantined until every op quiesced
+    RELEASING = 5  # handed to the release callback; the id is free once it returns
+
+
+class ScheduledLifecycle(RequestLifecycle):
+    """A RequestLifecycle whose done-callbacks run on the callback thread.
+
+    The core makes terminal transitions inside step(); a slow or raising
+    done-callback run there would delay every other request's deadline.
+    ``add_done_callback`` therefore defers the call: still exactly once,
+    after the terminal transition, but on the scheduler's callback thread.
+    """
+
+    __slots__ = ("_defer",)
+
+    _defer: Callable[[Callable[[], object]], None]
+
+    def __init__(
+        self,
+        request_id: str,
+        defer: Callable[[Callable[[], object]], None],
+        *,
+        max_attempts: int,
+        journal: Journal | None,
+    ) -> None:
+        super().__init__(request_id, max_attempts=max_attempts, journal=journal)
+        self._defer = defer
+
+    def add_done_callback(self, fn: DoneCallback) -> None:
+        defer = self._defer
+        super().add_done_callback(lambda lc: defer(lambda: fn(lc)))
+
+    def on_terminal(self, fn: DoneCallback) -> None:
+        """The scheduler's own callback: runs inline, in the thread that ended it."""
+        super().add_done_callback(fn)
+
+
+class Request:
+    """One request. Fields marked (core) are read and written by step() only."""
+
+    __slots__ = (
+        "deadline",
+        "finished",
+        "lc",
+        "op",
+        "ops",
+        "peer",
+        "phase",
+        "plan",
+        "priority",
+        "release",
+        "reported",
+        "request_id",
+        "submitted",
+        "unquiesced",
+        "wakers",
+    )
+
+    request_id: str
+    lc: ScheduledLifecycle  # the terminal transition happens once, under its lock (I2)
+    plan: TransferPlan  # validated against the peer's advertisement at admission
+    peer: str
+    deadline: float  # absolute, core clock: terminal at the first step at or after it (I4)
+    submitted: float  # core clock
+    priority: int  # higher first; FIFO among equals
+    release: ReleaseCallback | None
+    phase: int  # (core) a Phase value
+    op: TransferOp | None  # (core) the op of the current attempt, until its result is read
+    ops: list[TransferOp]  # (core) every op submitted for it; at most max_attempts
+    unquiesced: int  # (core) ops not yet quiesced; released only at 0 (I6)
+    finished: Finished | None  # (core) set once, when the core sees it terminal
+    reported: bool  # (table lock) the core has seen it terminal; waiters return
+    wakers: list[Callable[[], object]] | None  # (table lock) called once when reported
+
+    def __init__(
+        self,
+        lc: ScheduledLifecycle,
+        plan: TransferPlan,
+        now: float,
+        deadline_s: float,
+        priority: int,
+        release: ReleaseCallback | None,
+    ) -> None:
+        self.request_id = lc.request_id
+        self.lc = lc
+        self.plan = plan
+        self.peer = plan.peer
+        self.deadline = now + deadline_s
+        self.submitted = now
+        self.priority = priority
+        self.release = release
+        self.phase = Phase.NEW
+        self.op = None
+        self.ops = []
+        self.unquiesced = 0
+        self.finished = None
+        self.reported = False
+        self.wakers = None
+
+
+class Tombstone(NamedTuple):
+    """What is remembered of a released request: no plan, no error, no lifecycle."""
+
+    state: TransferState
+    reason: FailureReason | None
+    lifecycle: weakref.ref[RequestLifecycle]  # get() answers while the caller holds it
+
+
+Input = tuple[Callable[..., object], tuple[Any, ...]]
+
+
+class RequestTable:
+    """Ids in use, peers, inbox and waiters, under one lock."""
+
+    __slots__ = (
+        "_by_id",
+        "_recent",
+        "closed",
+        "idle",
+        "inbox",
+        "lock",
+        "peers",
+        "released",
+        "wake",
+    )
+
+    lock: threading.Lock
+    idle: threading.Condition  # on lock; notified when _by_id empties
+    closed: bool  # no submit is accepted once True
+    _by_id: dict[str, Request]  # submit() .. release callback returned; ids unique
+    _recent: OrderedDict[str, Tombstone]  # the last RECENT released, oldest first
+    peers: Peers[Request]
+    inbox: deque[Input]  # inputs for the core, in arrival order; drained by step()
+    wake: Callable[[], None]  # tells the driver the inbox has something
+    released: int  # release callbacks that returned (or raised)
+
+    def __init__(self, peers: Peers[Request]) -> None:
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.closed = False
+        self._by_id = {}
+        self._recent = OrderedDict()
+        self.peers = peers
+        self.inbox = deque()
+        self.wake = _nothing
+        self.released = 0
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Any thread: hand the core an input; step() will call fn(*args)."""
+        self.inbox.append((fn, args))
+        self.wake()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    # -- admission ---------------------------------------------------------------
+
+    def peer_info(self, session_id: str) -> PeerInfo:
+        with self.lock:
+            peer = self.peers.get(session_id)
+            if peer is None:
+                raise UnknownPeer(f"unknown peer {session_id!r}; call add_peer() first")
+            return peer.info
+
+    def admit(
+        self,
+        req: Request,
+        info: PeerInfo,
+        on_new: Callable[[Request], object],
+        settle: Callable[[Request, bool], object],
+    ) -> None:
+        """Accept ``req`` atomically with peer changes.
+
+        ``settle(req, peer_alive)`` runs under the lock before the core hears
+        of the request: it may end it at once (an empty plan, a dead peer),
+        so the core sees it terminal from the start.
+
+        Raises SchedulerClosed, DuplicateRequest, UnknownPeer (removed since
+        its plan was built), or LookupError when the peer was replaced since
+        (the caller builds the plan again).
+        """
+        rid = req.request_id
+        with self.lock:
+            if self.closed:
+                raise SchedulerClosed(f"scheduler is closed; cannot submit {rid!r}")
+            if rid in self._by_id:
+                raise DuplicateRequest(f"request id {rid!r} is already in use")
+            peer = self.peers.get(req.peer)
+            if peer is None:
+                raise UnknownPeer(f"unknown peer {req.peer!r}; call add_peer() first")
+            if peer.info is not info:
+                raise LookupError(req.peer)
+            self._by_id[rid] = req
+            self._recent.pop(rid, None)
+            peer.live.add(req)
+            settle(req, peer.alive)
+            self.inbox.append((on_new, (req,)))
+
+    def find(self, request_id: str) -> Request | Tombstone | None:
+        with self.lock:
+            return self._by_id.get(request_id) or self._recent.get(request_id)
+
+    def requests(self) -> list[Request]:
+        with self.lock:
+            return list(self._by_id.values())
+
+    def close(self) -> list[Request]:
+        with self.lock:
+            self.closed = True
+            return list(self._by_id.values())
+
+    # -- waiters -------------------------------------------------------------------
+
+    def add_waker(self, req: Request, fn: Callable[[], object]) -> bool:
+        """Call ``fn`` once the core has seen ``req`` terminal; False if it has."""
+        with self.lock:
+            if req.reported:
+                return False
+            if req.wakers is None:
+                req.wakers = []
+            req.wakers.append(fn)
+            return True
+
+    def report(self, reqs: list[Request]) -> list[Callable[[], object]]:
+        """Mark reported; returns the wakers to call (outside the lock)."""
+        out: list[Callable[[], object]] = []
+        with self.lock:
+            for req in reqs:
+                req.reported = True
+                if req.wakers:
+                    out.extend(req.wakers)
+                req.wakers = None
+        return out
+
+    def wakers_of_all(self) -> list[Callable[[], object]]:
+        """Every waiter's waker (the driver died: nobody will report)."""
+        with self.lock:
+            return [fn for r in self._by_id.values() for fn in (r.wakers or ())]
+
+    # -- release ---------------------------------------------------------------------
+
+    def forget(self, req: Request) -> bool:
+        """The release callback returned: free the id. False if it was not held."""
+        rid = req.request_id
+        with self.lock:
+            if self._by_id.get(rid) is not req:
+                return False
+            del self._by_id[rid]
+            self.released += 1
+            peer = self.peers.get(req.peer)
+            if peer is not None:
+                peer.live.discard(req)
+            lc = req.lc
+            self._recent[rid] = Tombstone(lc.state, lc.reason, weakref.ref(lc))
+            if len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+            if not self._by_id:
+                self.idle.notify_all()
+            return True
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        with self.idle:
+            return self.idle.wait_for(lambda: not self._by_id, timeout)
+
+
+def _nothing() -> None:
+    pass
