@@ -27,7 +27,10 @@ the backend contract:
 * The TCP transport queues MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024) entries
   per peer plus MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024) waiting ones,
   and fails the rest. The loop budgets that many entries per peer, each from
-  submit until its final status.
+  submit until its final status. A waiting entry fails after
+  MC_TCP_ADMISSION_TIMEOUT_MS (1 s) if the queue does not drain: that is how
+  a frozen peer's large op fails in ~2 s rather than at the engine timeout.
+* Done and quiesce callbacks run on the engine loop thread: keep them short.
 * Over TCP the engine reads unregistered local memory and, on the legacy
   protocol, writes outside the peer's memory without complaint: sources are
   checked against the registered caches and destinations against the regions
