@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import zmq
 
-from transfer import KVCache, KVLayout, PeerInfo
+from transfer import KVLayout, PeerInfo
 from transfer.control import DecodeClient, endpoint_of
 from transfer.mooncake import MooncakeBackend
-from transfer.peer_protocol import DIGEST_SIZE, block_digest_bytes
 from transfer.receiver import ReceiverProcess
 
 if TYPE_CHECKING:
@@ -33,8 +31,6 @@ _CONNECT_TIMEOUT_S = 10.0  # a remote service that does not answer its first req
 # Any of these means the service cannot answer (dead, frozen, gone, lying):
 # the run counts the request unverified and stops asking.
 _UNANSWERED = (TimeoutError, OSError, RuntimeError, ValueError, zmq.ZMQError)
-
-Pair = tuple[Sequence[int], Sequence[int]]  # (source blocks, destination blocks)
 
 
 class MooncakeDecode:
@@ -54,29 +50,17 @@ class MooncakeDecode:
         self._lock = threading.Lock()  # one request at a time; guards _gone
         self._gone = False  # killed, frozen or unresponsive: stop asking
 
-    def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
-        """True if intact, False if corrupt, None if the service cannot answer."""
-        return self.verify_batch(src, [(src_blocks, dst_blocks)])[0]
-
-    def verify_batch(self, src: KVCache, pairs: Sequence[Pair]) -> list[bool | None]:
-        """``verify`` for many requests in one round trip."""
-        dst = [b for _, d in pairs for b in d]
+    def digests(self, blocks: list[int]) -> bytes | None:
+        """DIGEST_SIZE bytes per destination block, one round trip; None if the
+        service cannot answer (and from then on: it is dead, frozen or lying)."""
         with self._lock:
             if self._gone:
-                return [None] * len(pairs)
+                return None
             try:
-                theirs = self._client.checksums(dst, timeout=self._timeout_s, alive=self._alive)
+                return self._client.checksums(blocks, timeout=self._timeout_s, alive=self._alive)
             except _UNANSWERED:
                 self._gone = True
-                return [None] * len(pairs)
-        ours = block_digest_bytes(src, [b for s, _ in pairs for b in s])
-        out: list[bool | None] = []
-        at = 0
-        for _, d in pairs:
-            end = at + len(d) * DIGEST_SIZE
-            out.append(theirs[at:end] == ours[at:end])
-            at = end
-        return out
+                return None
 
     def kill(self) -> None:
         with self._lock:

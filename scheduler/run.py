@@ -34,6 +34,7 @@ from lifecycle import FailureReason, TransferState
 from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
 from transfer.local import LocalBackend
+from transfer.peer_protocol import block_digest_bytes
 from transfer.plan import build_plan
 
 from ._scheduler import Finished, RetryPolicy, Scheduler
@@ -42,6 +43,7 @@ from .metrics import MetricsServer, register_metrics, serve_metrics
 from .raw_baseline import replay_raw
 from .stuck import StuckInspector
 from .trace import percentiles
+from .verify import SourceDigests, Verifier
 from .workload import BlockAllocator
 
 __all__ = ["RunConfig", "RunSummary", "run"]
@@ -114,6 +116,7 @@ class RunSummary:
     # unanswered verification means nothing was checked: the job fails.
     unverified: int = 0
     unverified_alive: int = 0
+    verified: int = 0  # DONE and byte-identical to the source
     released_before_quiesce: int = 0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
@@ -132,6 +135,9 @@ class RunSummary:
             broken.append(f"{self.non_terminal} requests never reached a terminal state")
         if self.integrity_errors:
             broken.append(f"{self.integrity_errors} DONE requests have corrupt destination blocks")
+        lost = self.done - self.verified - self.integrity_errors - self.unverified
+        if lost - self.unverified_alive > 0:
+            broken.append(f"{lost - self.unverified_alive} DONE requests never got a verdict")
         if self.unverified_alive:
             broken.append(
                 f"{self.unverified_alive} DONE requests were not verified"
@@ -151,6 +157,7 @@ class RunSummary:
             "integrity_errors": self.integrity_errors,
             "unverified": self.unverified,
             "unverified_alive": self.unverified_alive,
+            "verified": self.verified,
             "released_before_quiesce": self.released_before_quiesce,
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
@@ -167,8 +174,8 @@ class Decode(Protocol):
 
     peer: PeerInfo
 
-    def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
-        """True if intact, False if corrupt, None if the decode side cannot answer."""
+    def digests(self, blocks: list[int]) -> bytes | None:
+        """Digests of destination blocks (scheduler.verify); None if it cannot answer."""
 
     def kill(self) -> None: ...
 
@@ -186,10 +193,8 @@ class _LocalDecode:
         self.peer = backend.register_peer("local-decode", self._cache)
         self._dead = False
 
-    def verify(self, src: KVCache, src_blocks: list[int], dst_blocks: list[int]) -> bool | None:
-        if self._dead:
-            return None
-        return not src.blocks_equal(self._cache, src_blocks, dst_blocks)
+    def digests(self, blocks: list[int]) -> bytes | None:
+        return None if self._dead else block_digest_bytes(self._cache, blocks)
 
     def kill(self) -> None:
         self._dead = True
@@ -316,24 +321,19 @@ def _run(
 
     pool = BlockAllocator(cfg.blocks, fragmentation=cfg.fragmentation, seed=cfg.seed)
     summary = RunSummary(cfg.requests)
-    lock = threading.Lock()
     # Set before the run kills or freezes the decode side, so a verification
     # that fails from then on is "decode gone", not a silent pass.
     decode_stopped = threading.Event()
+
+    verifier = Verifier(decode, SourceDigests(src), pool.free, decode_stopped)
 
     def release(request_id: str, fin: Finished) -> None:
         src_blocks, dst_blocks = blocks_of.pop(request_id)
         if fin.state is TransferState.DONE:
             done_blocks.append((src_blocks, dst_blocks))
-            verdict = decode.verify(src, src_blocks, dst_blocks)
-            with lock:
-                if verdict is False:
-                    summary.integrity_errors += 1
-                elif verdict is None and decode_stopped.is_set():
-                    summary.unverified += 1
-                elif verdict is None:
-                    summary.unverified_alive += 1
-        pool.free(dst_blocks)
+            verifier.put(src_blocks, dst_blocks)  # frees the blocks after the verdict
+        else:
+            pool.free(dst_blocks)
 
     blocks_of: dict[str, tuple[list[int], list[int]]] = {}
     done_blocks: list[tuple[list[int], list[int]]] = []  # for the raw replay
@@ -433,10 +433,18 @@ def _run(
         sched.drain(timeout=max(10.0, 3 * cfg.deadline_s))
         metrics = sched.metrics()
         sched.close()
+        # Every release has queued its request by now; a verifier still busy
+        # after this long leaves those requests out of the tally, and the
+        # summary shows them as neither verified nor unverified.
+        verifier.close(timeout=max(10.0, 3 * cfg.deadline_s))
         if server is not None:
             server.close()
 
     summary.done, summary.failed = done, failed
+    tally = verifier.tally
+    summary.integrity_errors = tally.corrupt
+    summary.unverified, summary.unverified_alive = tally.unverified, tally.unverified_alive
+    summary.verified = tally.intact
     summary.non_terminal = cfg.requests - done - failed
     summary.by_reason = dict(sorted(reasons.items()))
     summary.released_before_quiesce = metrics.released_before_quiesce + metrics.double_releases
@@ -469,6 +477,7 @@ def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
         ("failed", s.failed),
         *((f"  {reason}", n) for reason, n in s.by_reason.items()),
         ("non-terminal", s.non_terminal),
+        ("verified intact", s.verified),
         ("integrity errors", s.integrity_errors),
         ("unverified (decode gone)", s.unverified),
         ("unverified (decode alive)", s.unverified_alive),

@@ -116,7 +116,8 @@ def test_summary_names_what_broke() -> None:
     broken = s.ok()
     assert any("never reached a terminal state" in b for b in broken)
     assert any("corrupt" in b for b in broken)
-    assert RunSummary(requests=2, done=1, failed=1).ok() == []
+    assert RunSummary(requests=2, done=1, failed=1, verified=1).ok() == []
+    assert RunSummary(requests=2, done=1, failed=1).ok() == ["1 DONE requests never got a verdict"]
 
 
 @pytest.mark.mooncake
@@ -125,7 +126,7 @@ def test_mooncake_clean_run_verifies_every_block(tmp_path: Path) -> None:
     assert rc == 0, out
     _check_consistent(s, 40)
     assert (s["done"], s["integrity_errors"], s["unverified"]) == (40, 0, 0)
-    assert s["unverified_alive"] == 0
+    assert (s["unverified_alive"], s["verified"]) == (0, 40)
     # The raw engine replayed the same entries in the same run.
     assert s["raw_gbps"] > 0 and s["raw_cpu_s_per_gb"] > 0 and s["cpu_s_per_gb"] > 0
     assert "raw engine, same entries" in out
@@ -180,7 +181,7 @@ def test_unanswered_verification_while_decode_alive_fails_the_job(
 
     from scheduler import run as run_mod
 
-    monkeypatch.setattr(run_mod._LocalDecode, "verify", lambda *_args: None)
+    monkeypatch.setattr(run_mod._LocalDecode, "digests", lambda *_args: None)
     out = io.StringIO()
     cfg = run_mod.RunConfig(
         requests=12,
