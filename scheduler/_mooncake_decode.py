@@ -8,6 +8,7 @@ talks to it over the same control channel (``transfer.control``).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ import zmq
 
 from transfer import KVLayout, PeerInfo
 from transfer.control import DecodeClient, endpoint_of
+from transfer.metadata import MetadataMode, mode_of
 from transfer.mooncake import MooncakeBackend
 from transfer.receiver import ReceiverProcess
 
@@ -84,6 +86,12 @@ class MooncakeDecode:
             self._client.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _route_ip(endpoint: str) -> str:
     """This host's address on the route to ``endpoint`` (no packet is sent)."""
     if not endpoint.startswith("tcp://"):
@@ -117,11 +125,21 @@ def start_mooncake_decode(
     cfg: RunConfig, layout: KVLayout
 ) -> tuple[MooncakeBackend, MooncakeDecode]:
     timeout_s = max(2.0, cfg.deadline_s)
+    p2p = mode_of(cfg.metadata) is MetadataMode.P2P
+    if not p2p:
+        # A decode restarted under its old name publishes new buffers; without
+        # a refresh the engine keeps using the dead one's cached descriptor.
+        # Read when the engine module loads, so set before the first backend.
+        os.environ.setdefault("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", "1")
     if cfg.decode is not None:
         decode = _connect(cfg, layout, timeout_s)
         local_ip = _route_ip(endpoint_of(cfg.decode))
     else:
-        proc = ReceiverProcess(layout)
+        proc = ReceiverProcess(
+            layout,
+            metadata=cfg.metadata,
+            ip="127.0.0.1" if p2p else f"127.0.0.1:{_free_port()}",
+        )
         try:
             peer = proc.start()
         except BaseException:
@@ -130,7 +148,10 @@ def start_mooncake_decode(
         decode = MooncakeDecode(proc.client, peer, proc, timeout_s)
         local_ip = "127.0.0.1"
     try:
-        backend = MooncakeBackend(local_ip, transfer_timeout_s=_ENGINE_TIMEOUT_S)
+        # In a metadata mode the session name is "ip:port" and must be unique
+        # in the store; the port is only a label (the engine picks its own).
+        name = local_ip if p2p else f"{local_ip}:{_free_port()}"
+        backend = MooncakeBackend(name, metadata=cfg.metadata, transfer_timeout_s=_ENGINE_TIMEOUT_S)
     except BaseException:
         decode.close()
         raise

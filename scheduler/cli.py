@@ -79,6 +79,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         stuck_after_s=args.stuck_after,
         decode=args.decode,
+        metadata=args.metadata,
     )
     try:
         summary = run(cfg)
@@ -197,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST:PORT",
         help="drive the `kvguard decode` service there instead of starting a local one",
+    )
+    p.add_argument(
+        "--metadata",
+        default="P2PHANDSHAKE",
+        metavar="URL",
+        help="the engine's metadata mode, as the decode service's: P2PHANDSHAKE (default),"
+        " http://HOST:PORT/metadata or etcd://HOST:PORT",
     )
     p.add_argument(
         "--log-level",

@@ -34,6 +34,7 @@ from lifecycle import FailureReason, TransferState
 from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
 from transfer.local import LocalBackend
+from transfer.metadata import mode_of
 from transfer.peer_protocol import block_digest_bytes
 from transfer.plan import build_plan
 
@@ -71,6 +72,7 @@ class RunConfig:
     metrics_port: int | None = None  # serve /metrics on 127.0.0.1 while running; 0: any port
     stuck_after_s: float | None = None  # warn about requests live for longer than this
     decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
+    metadata: str = "P2PHANDSHAKE"  # the engine's metadata mode (transfer.metadata)
 
     def check(self) -> None:
         problems = {
@@ -91,6 +93,9 @@ class RunConfig:
             raise ValueError(f"invalid value for {', '.join(bad)}")
         if self.backend not in ("mooncake", "local"):
             raise ValueError(f"--backend must be mooncake or local, got {self.backend!r}")
+        mode_of(self.metadata)  # a ValueError naming an unknown scheme
+        if self.backend == "local" and self.metadata != "P2PHANDSHAKE":
+            raise ValueError("--metadata needs --backend mooncake")
         if self.decode is not None:
             # A remote service is not ours to kill or freeze.
             clash = {

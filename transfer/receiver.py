@@ -42,6 +42,7 @@ from .backend import PeerInfo
 from .control import ControlServer, DecodeClient, endpoint_of
 from .errors import PeerProtocolError
 from .layout import KVCache, KVLayout
+from .metadata import clear_stale
 from .mooncake import P2P_HANDSHAKE, MooncakeBackend, is_wildcard
 from .peer_protocol import (
     DIGEST_SIZE,
@@ -178,7 +179,11 @@ def run_service(args: argparse.Namespace, out: IO[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         layout = KVLayout(args.layers, args.blocks, args.block_bytes, not args.no_kv_split)
-        receiver = Receiver(layout, ip=_engine_ip(args), metadata=args.metadata, device=args.device)
+        name = _engine_ip(args)
+        # Coming back under a name whose last holder was SIGKILLed: its keys
+        # are still in the store (transfer.metadata); they can only be stale.
+        clear_stale(args.metadata, name)
+        receiver = Receiver(layout, ip=name, metadata=args.metadata, device=args.device)
     except Exception as exc:  # the parent reads the typed error on stderr
         print(f"kvguard decode: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
