@@ -54,15 +54,14 @@ class MooncakeDecode:
 
     def digests(self, blocks: list[int]) -> bytes | None:
         """DIGEST_SIZE bytes per destination block, one round trip; None if the
-        service cannot answer (and from then on: it is dead, frozen or lying)."""
+        service cannot answer now (None for good once the run killed or froze it)."""
         with self._lock:
             if self._gone:
                 return None
             try:
                 return self._client.checksums(blocks, timeout=self._timeout_s, alive=self._alive)
             except _UNANSWERED:
-                self._gone = True
-                return None
+                return None  # the caller may ask again: a cut link heals
 
     def kill(self) -> None:
         with self._lock:

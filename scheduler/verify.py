@@ -12,14 +12,16 @@ must not sit between the engine and the next transfer. So:
   transfers still running (sha256 at ~1.5 GB/s with SHA-NI here);
 * the blocks go back to the pool after their verdict, whatever it is.
 
-A decode side that cannot answer is ``None``: tolerated only after the run
-itself stopped it, otherwise counted against the run (issue 10).
+A decode side that cannot answer is ``None``: asked again while the run has
+not stopped it (a cut link heals), tolerated once the run itself stopped it,
+and otherwise, after ``retry_for_s``, counted against the run (issue 10).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,8 +80,14 @@ class Verifier:
         source: SourceDigests,
         free: Callable[[list[int]], None],
         decode_stopped: threading.Event,
+        *,
+        retry_for_s: float = 30.0,
     ) -> None:
         self.tally = Tally()
+        # A decode side that is alive but unreachable (a cut link) is asked
+        # again, with backoff, for this long before its requests count as
+        # unverified; their blocks stay out of the pool meanwhile.
+        self._retry_for_s = retry_for_s
         self._decode = decode
         self._source = source
         self._free = free
@@ -115,12 +123,22 @@ class Verifier:
             if batch:
                 self._check(batch)
 
+    def _ask(self, blocks: list[int]) -> bytes | None:
+        give_up = time.monotonic() + self._retry_for_s
+        pause = 0.05
+        while True:
+            try:
+                theirs = self._decode.digests(blocks)
+            except Exception:  # a bug on our side must not leak the blocks or hide itself
+                _log.exception("verification_failed", blocks=len(blocks))
+                return None
+            if theirs is not None or self._stopped.is_set() or time.monotonic() >= give_up:
+                return theirs
+            time.sleep(pause)
+            pause = min(1.0, 2 * pause)
+
     def _check(self, batch: list[_Job]) -> None:
-        try:
-            theirs = self._decode.digests([b for _, dst in batch for b in dst])
-        except Exception:  # a bug on our side must not leak the blocks or hide itself
-            _log.exception("verification_failed", requests=len(batch))
-            theirs = None
+        theirs = self._ask([b for _, dst in batch for b in dst])
         tally, at = self.tally, 0
         for src_blocks, dst_blocks in batch:
             end = at + len(dst_blocks) * DIGEST_SIZE

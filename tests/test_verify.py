@@ -44,7 +44,7 @@ def test_unanswered_counts_against_the_run_unless_it_stopped_the_decode() -> Non
     src, dst, freed, stopped = _setup()
     decode = _Decode(dst)
     decode.answer = False
-    v = Verifier(decode, SourceDigests(src), freed.append, stopped)
+    v = Verifier(decode, SourceDigests(src), freed.append, stopped, retry_for_s=0.3)
     v.put([0, 1], [0, 1])
     assert v.close(timeout=10)
     assert (v.tally.unverified_alive, v.tally.unverified) == (1, 0)
@@ -88,3 +88,23 @@ def test_a_raising_decode_neither_leaks_blocks_nor_passes() -> None:
     assert v.close(timeout=10)
     assert (v.tally.intact, v.tally.unverified_alive) == (0, 1)
     assert freed == [[0]]
+
+
+def test_an_unreachable_decode_is_asked_again_until_it_answers() -> None:
+    src, dst, freed, stopped = _setup()
+    for t_src, t_dst in zip(src.tensors, dst.tensors, strict=True):
+        t_dst.copy_(t_src)
+    decode = _Decode(dst)
+    decode.answer = False  # a cut link
+
+    def heal() -> None:
+        decode.answer = True
+
+    timer = threading.Timer(0.3, heal)
+    timer.start()
+    v = Verifier(decode, SourceDigests(src), freed.append, stopped, retry_for_s=30)
+    v.put([0], [0])
+    assert v.close(timeout=10)
+    timer.join()
+    assert (v.tally.intact, v.tally.unverified_alive) == (1, 0)
+    assert decode.calls >= 2
