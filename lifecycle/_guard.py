@@ -65,6 +65,15 @@ def exit_reason(exc: BaseException | None) -> FailureReason:
     return FailureReason.WORKER_CRASHED
 
 
+def _end(lc: RequestLifecycle, exc: BaseException | None) -> None:
+    """The guard's one rule: a worker leaving a non-terminal request fails it."""
+    # fail() is a no-op on a terminal request, so a watchdog racing us
+    # cannot make this a second terminal transition; the check only keeps
+    # the normal exit of a finished worker out of the journal.
+    if not lc.is_terminal:
+        lc.fail(exit_reason(exc), exc)
+
+
 class CompletionGuard:
     """Context manager (sync and async) that makes every exit terminal."""
 
@@ -84,12 +93,7 @@ class CompletionGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # fail() is a no-op on a terminal request, so a watchdog racing us
-        # cannot make this a second terminal transition; the check only keeps
-        # the normal exit of a finished worker out of the journal.
-        if not self.lifecycle.is_terminal:
-            self.lifecycle.fail(exit_reason(exc), exc)
-        # Returning None lets the exception propagate unchanged.
+        _end(self.lifecycle, exc)  # returning None lets the exception propagate unchanged
 
     async def __aenter__(self) -> RequestLifecycle:
         return self.lifecycle
@@ -100,7 +104,7 @@ class CompletionGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        _end(self.lifecycle, exc)
 
 
 class _Guarded:
@@ -108,39 +112,33 @@ class _Guarded:
     *created*, not when its body first runs, so a coroutine cancelled before
     its first step or a generator closed before its first ``next()`` still
     leaves its request terminal (I3). Every outcome of every call into the
-    inner object goes through ``_exit``; the first one decides."""
+    inner object goes through ``_end``; the first one decides (later ones
+    find the request terminal)."""
 
-    __slots__ = ("_guard", "_over", "_ran")
+    __slots__ = ("_lc", "_ran")
 
     def __init__(self, lc: RequestLifecycle) -> None:
+        self._ran = True  # until built: a half-built wrapper has no request to fail
+        self._lc = CompletionGuard(lc).lifecycle  # type-checked like the context manager
         self._ran = False  # a call reached the inner worker: its own guard covers a drop
-        self._over = False  # the guard has run; later calls pass straight through
-        self._guard = CompletionGuard(lc)
 
     def __del__(self) -> None:
         # Dropped before anything reached the worker: no frame of it ever
         # ran, so no guard inside it ever will. A started one is finalized
         # right after us and its own guard records ABORTED.
         # pragma: no mutate block (mutmut 3.8's trampoline segfaults in a GC'd __del__)
-        if not (self._ran or self._over):
-            lc = self._guard.lifecycle
-            if not lc.is_terminal:
-                lc._fail_nowait(FailureReason.WORKER_DROPPED)
-
-    def _exit(self, exc: BaseException | None) -> None:
-        if not self._over:
-            self._over = True
-            self._guard.__exit__(None if exc is None else type(exc), exc, None)
+        if not self._ran and not self._lc.is_terminal:
+            self._lc._fail_nowait(FailureReason.WORKER_DROPPED)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._ran = True
         try:
             return fn(*args)
         except StopIteration:
-            self._exit(None)
+            _end(self._lc, None)
             raise
         except BaseException as exc:
-            self._exit(exc)
+            _end(self._lc, exc)
             raise
 
     async def _acall(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -148,10 +146,10 @@ class _Guarded:
         try:
             return await fn(*args)
         except StopAsyncIteration:
-            self._exit(None)
+            _end(self._lc, None)
             raise
         except BaseException as exc:
-            self._exit(exc)
+            _end(self._lc, exc)
             raise
 
 
@@ -174,7 +172,7 @@ class _GuardedGenerator(_Guarded, Generator[Any, Any, Any]):
 
     def close(self) -> None:
         self._call(self._gen.close)
-        self._exit(GeneratorExit())  # closed, maybe before it ever ran
+        _end(self._lc, GeneratorExit())  # closed, maybe before it ever ran
 
 
 class _GuardedCoroutine(_GuardedGenerator, Coroutine[Any, Any, Any]):
@@ -201,7 +199,7 @@ class _GuardedAsyncGenerator(_Guarded, AsyncGenerator[Any, Any]):
 
     async def aclose(self) -> None:
         await self._acall(self._agen.aclose)
-        self._exit(GeneratorExit())  # closed, maybe before it ever ran
+        _end(self._lc, GeneratorExit())  # closed, maybe before it ever ran
 
 
 # What guarded() wraps each kind of worker function's result in.
@@ -229,9 +227,25 @@ def _native(fn: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(fn):
 
         async def run_agen(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
+            # ``async for`` would drop asend() values and throw athrow()
+            # exceptions here instead of into the worker: delegate the whole
+            # protocol, as ``yield from`` does for generators (PEP 380).
             async with CompletionGuard(lc):
-                async for item in fn(lc, *args, **kwargs):
-                    yield item
+                agen = fn(lc, *args, **kwargs)
+                try:
+                    value = await agen.asend(None)
+                    while True:
+                        try:
+                            sent = yield value
+                        except GeneratorExit:
+                            await agen.aclose()  # the worker's finally blocks run now
+                            raise
+                        except BaseException as exc:
+                            value = await agen.athrow(exc)
+                        else:
+                            value = await agen.asend(sent)
+                except StopAsyncIteration:
+                    return
 
         return run_agen
 
@@ -249,15 +263,19 @@ def _factory(fn: Callable[..., Any], wrapper: Callable[[RequestLifecycle, Any], 
     def make(lc: RequestLifecycle, *args: Any, **kwargs: Any) -> Any:
         return wrapper(lc, body(lc, *args, **kwargs))
 
-    if wrapper is _GuardedCoroutine:
-        # Still a coroutine function to frameworks that ask (it returns an
-        # awaitable coroutine object either way).
-        mark = getattr(inspect, "markcoroutinefunction", None)  # Python >= 3.12
-        if mark is not None:
-            make = mark(make)
-        else:
-            make._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
-    return make
+    # Still a coroutine function to frameworks that ask (it returns an
+    # awaitable coroutine object either way).
+    return _mark_coroutine(make) if wrapper is _GuardedCoroutine else make
+
+
+def _mark_before_312(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return fn
+
+
+_mark_coroutine: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(
+    inspect, "markcoroutinefunction", _mark_before_312
+)
 
 
 def guarded(
@@ -279,17 +297,17 @@ def guarded(
 
     @functools.wraps(fn)
     def run(lc: RequestLifecycle, *args: P.args, **kwargs: P.kwargs) -> R:
-        guard = CompletionGuard(lc)
+        CompletionGuard(lc)  # the same TypeError for a wrong first argument
         try:
             result = fn(lc, *args, **kwargs)
         except BaseException as exc:
-            guard.__exit__(type(exc), exc, None)
+            _end(lc, exc)
             raise
         if inspect.isawaitable(result):
             # The real worker is the awaitable (a callable object with an
             # async __call__, a partial...): guard it, not this return.
             return cast(R, _GuardedCoroutine(lc, _await_guarded(lc, result)))
-        guard.__exit__(None, None, None)
+        _end(lc, None)
         return result
 
     return cast(Callable[Concatenate[RequestLifecycle, P], R], run)

@@ -114,7 +114,7 @@ class Journal:
                 f"(further failures are only counted in Journal.errors):",
                 file=sys.stderr,
             )
-            traceback.print_exc(file=sys.stderr)
+            traceback.print_exc()  # to sys.stderr
 
 
 DEFAULT_JOURNAL = Journal()

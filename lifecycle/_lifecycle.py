@@ -166,11 +166,9 @@ class RequestLifecycle:
     ) -> bool:
         with self._lock:
             source = self._outcome.state
-            if source in TERMINAL:
-                attempt = self._attempt
-                ignored = True
-            else:
-                ignored = False
+            ignored = source in TERMINAL
+            callbacks: list[DoneCallback] | None = None
+            if not ignored:
                 try:
                     dest, guard = DISPATCH[(source, event)]
                 except KeyError:
@@ -183,10 +181,8 @@ class RequestLifecycle:
                         f"guard {guard} ({GUARDS[guard].text}) is false: "
                         f"{self._attempt} of {self.max_attempts} attempts used",
                     )
-                if event is Event.START:
-                    self._attempt += 1
-                attempt = self._attempt
-                rec = TransitionRecord(event, source, dest, time.monotonic(), reason, attempt)
+                self._attempt += event is Event.START  # counts start() calls
+                rec = TransitionRecord(event, source, dest, time.monotonic(), reason, self._attempt)
                 self._history.append(rec)
                 if dest is TransferState.FAILED:
                     self._outcome = Outcome(dest, reason, error)  # one store: atomic
@@ -194,8 +190,7 @@ class RequestLifecycle:
                     self._outcome = _PLAIN[dest]
                 if dest in TERMINAL:
                     callbacks, self._callbacks = self._callbacks, None
-                else:
-                    callbacks = None
+            attempt = self._attempt
         if ignored:
             self._journal.ignored(self.request_id, event, source, attempt, reason)
             return False

@@ -156,15 +156,11 @@ def _validate() -> None:
     for source, event in DISPATCH:
         if source in TERMINAL:
             raise AssertionError(f"terminal state {source.name} has an outgoing {event.value!r}")
-    # Every non-terminal state must be able to reach a terminal one.
+    # Every non-terminal state must be able to reach a terminal one: one
+    # backward step per pass, and no path needs more passes than states.
     reaches = set(TERMINAL)
-    changed = True
-    while changed:
-        changed = False
-        for (source, _), (dest, _) in DISPATCH.items():
-            if dest in reaches and source not in reaches:
-                reaches.add(source)
-                changed = True
+    for _ in TransferState:
+        reaches |= {source for (source, _), (dest, _) in DISPATCH.items() if dest in reaches}
     stranded = set(TransferState) - reaches
     if stranded:
         raise AssertionError(

@@ -10,6 +10,8 @@ import asyncio
 import builtins
 import collections.abc
 import gc
+import sys
+import threading
 import warnings
 from collections.abc import AsyncGenerator, Callable, Generator
 from typing import Any, NoReturn
@@ -637,12 +639,47 @@ def test_a_worker_dropped_while_its_lifecycle_is_locked_does_not_deadlock() -> N
     # request's lock up-stack (in the middle of an event): it must not block.
     lc = RequestLifecycle("drop-locked")
     w = guarded(_gen_worker)(lc)
+    ran_in: list[tuple[str, bool]] = []
+    lc.add_done_callback(
+        lambda _: ran_in.append(
+            (threading.current_thread().name, threading.current_thread().daemon)
+        )
+    )
     with lc._lock:
         del w
         gc.collect()
         assert lc.state is S.PENDING  # handed to another thread, not blocked on
     assert lc.wait(5) is S.FAILED
     assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_DROPPED, None)
+    # A named daemon thread: it never holds up interpreter exit.
+    assert ran_in == [("kvguard-finalize", True)]
+
+
+def test_a_worker_dropped_unlocked_fails_in_the_dropping_thread() -> None:
+    lc = RequestLifecycle("drop-here")
+    ran_in: list[str] = []
+    lc.add_done_callback(lambda _: ran_in.append(threading.current_thread().name))
+    w = guarded(_gen_worker)(lc)
+    del w
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_DROPPED, None)
+    assert ran_in == [threading.current_thread().name]
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+@pytest.mark.parametrize("kind", WORKER_KINDS)
+def test_a_guarded_worker_given_no_lifecycle_raises_and_leaves_nothing_behind(
+    kind: str,
+) -> None:
+    unraisable: list[object] = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with pytest.raises(TypeError, match="CompletionGuard needs a RequestLifecycle"):
+            guarded(WORKER_KINDS[kind])("not a lifecycle")  # type: ignore[arg-type]
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert unraisable == []
 
 
 def test_a_dropped_worker_of_a_terminal_request_changes_nothing() -> None:
@@ -878,3 +915,151 @@ def test_a_task_group_failing_with_peer_lost_is_peer_lost() -> None:
     with pytest.raises(ExceptionGroup) as info:
         asyncio.run(worker(lc))
     assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.PEER_LOST, info.value)
+
+
+# -- every argument and value reaches the worker ------------------------------------------
+
+
+def test_guarded_generator_passes_sent_values_and_kwargs() -> None:
+    @guarded
+    def worker(lc: RequestLifecycle, a: int, *, b: int) -> Generator[int, int, int]:
+        lc.start()
+        got = yield a + b
+        lc.complete()
+        return got * 10
+
+    lc = RequestLifecycle("send")
+    gen = worker(lc, 1, b=2)
+    assert next(gen) == 3
+    with pytest.raises(StopIteration) as info:
+        gen.send(7)
+    assert info.value.value == 70
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+
+
+def test_guarded_async_generator_passes_sent_values_and_kwargs() -> None:
+    @guarded
+    async def worker(lc: RequestLifecycle, a: int, *, b: int) -> AsyncGenerator[int, int]:
+        lc.start()
+        got = yield a + b
+        lc.complete()
+        yield got * 10
+
+    async def main(lc: RequestLifecycle) -> list[int]:
+        agen = worker(lc, 1, b=2)
+        return [await agen.__anext__(), await agen.asend(7)]
+
+    lc = RequestLifecycle("asend")
+    assert asyncio.run(main(lc)) == [3, 70]
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+
+
+def test_guarded_coroutine_passes_kwargs() -> None:
+    @guarded
+    async def worker(lc: RequestLifecycle, a: int, *, b: int) -> int:
+        lc.start()
+        lc.complete()
+        return a + b
+
+    lc = RequestLifecycle("kw")
+    assert asyncio.run(worker(lc, 1, b=2)) == 3
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+
+
+def test_athrow_forwards_a_legacy_call_as_given() -> None:
+    from lifecycle._guard import _GuardedAsyncGenerator
+
+    lc = RequestLifecycle("athrow3")
+    aspy = _ASpy()
+    exc = ValueError("x")
+    with pytest.raises(ValueError):
+        asyncio.run(_GuardedAsyncGenerator(lc, aspy).athrow(ValueError, exc, None))
+    assert aspy.thrown == [(ValueError, exc, None)]
+    assert (lc.state, lc.reason) == (S.FAILED, R.WORKER_CRASHED)
+    assert isinstance(lc.error, ValueError)
+
+
+def test_closing_a_never_started_worker_is_aborted_exactly() -> None:
+    lc = RequestLifecycle("close-pre")
+    guarded(_gen_worker)(lc).close()
+    assert (lc.state, lc.reason) == (S.FAILED, R.ABORTED)
+    assert type(lc.error) is GeneratorExit
+
+    lc = RequestLifecycle("aclose-pre")
+    asyncio.run(guarded(_agen_worker)(lc).aclose())
+    assert (lc.state, lc.reason) == (S.FAILED, R.ABORTED)
+    assert type(lc.error) is GeneratorExit
+    assert [rec.event for rec in lc.history] == [Event.FAIL]
+
+
+def test_guarded_async_generator_receives_thrown_exceptions() -> None:
+    # The worker itself sees athrow(): it may handle the error and go on.
+    seen: list[str] = []
+
+    @guarded
+    async def worker(lc: RequestLifecycle) -> AsyncGenerator[str, None]:
+        lc.start()
+        try:
+            yield "first"
+        except ConnectionResetError as exc:
+            seen.append(f"handled {exc}")
+            lc.retry()
+            lc.start()
+        lc.complete()
+        yield "after"
+
+    async def main(lc: RequestLifecycle) -> list[str]:
+        agen = worker(lc)
+        first = await agen.__anext__()
+        after = await agen.athrow(ConnectionResetError("blip"))
+        await agen.aclose()
+        return [first, after]
+
+    lc = RequestLifecycle("athrow-handled", max_attempts=2)
+    assert asyncio.run(main(lc)) == ["first", "after"]
+    assert seen == ["handled blip"]
+    assert (lc.state, lc.reason, lc.error, lc.attempt) == (S.DONE, None, None, 2)
+
+
+def test_closing_a_started_guarded_async_generator_runs_its_finally() -> None:
+    events: list[str] = []
+
+    @guarded
+    async def worker(lc: RequestLifecycle) -> AsyncGenerator[int, None]:
+        lc.start()
+        try:
+            yield 1
+            yield 2
+        finally:
+            events.append("finally")
+
+    async def main(lc: RequestLifecycle) -> None:
+        agen = worker(lc)
+        assert await agen.__anext__() == 1
+        await agen.aclose()
+        events.append("closed")
+
+    lc = RequestLifecycle("aclose-started")
+    asyncio.run(main(lc))
+    assert events == ["finally", "closed"]
+    assert (lc.state, lc.reason) == (S.FAILED, R.ABORTED)
+    assert type(lc.error) is GeneratorExit
+
+
+def test_an_unhandled_athrow_fails_the_request_with_that_error() -> None:
+    @guarded
+    async def worker(lc: RequestLifecycle) -> AsyncGenerator[int, None]:
+        lc.start()
+        yield 1
+
+    async def main(lc: RequestLifecycle, exc: BaseException) -> None:
+        agen = worker(lc)
+        await agen.__anext__()
+        with pytest.raises(ConnectionResetError) as info:
+            await agen.athrow(exc)
+        assert info.value is exc
+
+    lc = RequestLifecycle("athrow-unhandled")
+    exc = ConnectionResetError("peer")
+    asyncio.run(main(lc, exc))
+    assert (lc.state, lc.reason, lc.error) == (S.FAILED, R.WORKER_CRASHED, exc)

@@ -103,6 +103,7 @@ def test_ignored_late_events_are_recorded(all_levels: None) -> None:
     # The late failure's own reason is what was ignored; the first cause stays.
     assert [r["reason"] for r in logs] == [None, "ABORTED", None, None]
     assert lc.reason is FailureReason.TIMEOUT
+    assert all(isinstance(r["ts"], float) and r["ts"] > 1.7e9 for r in logs)  # wall clock
 
 
 def test_guard_exit_of_a_finished_worker_adds_no_record(all_levels: None) -> None:
@@ -306,3 +307,35 @@ def test_every_later_loss_is_only_counted(capsys: pytest.CaptureFixture[str]) ->
     assert journal.errors == 3
     assert err.count("kvguard: journal record for 'r0' lost") == 1
     assert "'r1'" not in err and "'r2'" not in err
+
+
+def test_failing_ignored_records_are_reported_with_their_request(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    journal = Journal(_RaisingLogger())
+    journal.ignored("late-1", Event.COMPLETE, TransferState.DONE, 1, None)
+    err = capsys.readouterr().err
+    assert journal.errors == 1
+    assert "kvguard: journal record for 'late-1' lost" in err
+    assert "OSError: log disk full" in err
+
+
+def test_a_new_journal_logs_through_the_kvguard_logger(all_levels: None) -> None:
+    """A Journal built now (not the import-time default) uses LOGGER_NAME."""
+    factory_args: list[tuple[object, ...]] = []
+    old = structlog.get_config()
+
+    def factory(*args: object) -> Any:
+        factory_args.append(args)
+        return structlog.testing.CapturingLogger()
+
+    structlog.configure(logger_factory=factory, cache_logger_on_first_use=False)
+    try:
+        journal = Journal()
+        lc = RequestLifecycle("named", journal=journal)
+        lc.start()
+        lc.fail(FailureReason.PEER_LOST)
+    finally:
+        structlog.configure(**old)
+    assert journal.errors == 0
+    assert factory_args == [(LOGGER_NAME,), (LOGGER_NAME,)]

@@ -480,6 +480,8 @@ def test_every_done_callback_runs_even_if_one_raises() -> None:
     assert lc.reason is FailureReason.PEER_LOST
     failed = [e for e in logs if e["event"] == "done_callback_failed"]
     assert len(failed) == 1 and failed[0]["request_id"] == lc.request_id
+    assert failed[0]["callback"] == repr(boom)
+    assert failed[0]["log_level"] == "error" and failed[0]["exc_info"] is True
     # A raising callback added after the fact does not escape either.
     lc.add_done_callback(boom)
     assert calls == ["a", "boom", "b", "boom"]
@@ -556,8 +558,37 @@ def test_finished_requests_are_not_kept_alive(end: str) -> None:
 
 def test_repr_names_id_state_and_reason() -> None:
     lc = in_state(S.FAILED, request_id="rep")
-    text = repr(lc)
-    assert "'rep'" in text and "FAILED" in text and "PEER_LOST" in text
+    assert repr(lc) == "<RequestLifecycle 'rep' FAILED attempt=1/2 reason=PEER_LOST>"
+    assert repr(in_state(S.TRANSFERRING, "t")) == "<RequestLifecycle 't' TRANSFERRING attempt=1/2>"
+    assert repr(in_state(S.DONE, "d")) == "<RequestLifecycle 'd' DONE attempt=1/2>"
+
+
+def test_invalid_transition_message_without_detail_is_exact() -> None:
+    lc = RequestLifecycle("exact")
+    with pytest.raises(InvalidTransition) as info:
+        lc.complete()
+    assert str(info.value) == "request 'exact': event 'complete' is not allowed in state PENDING"
+
+
+def test_done_callback_errors_log_through_the_kvguard_logger() -> None:
+    factory_args: list[tuple[object, ...]] = []
+    old = structlog.get_config()
+
+    def factory(*args: object) -> Any:
+        factory_args.append(args)
+        return structlog.testing.CapturingLogger()
+
+    def boom(_: RequestLifecycle) -> None:
+        raise RuntimeError("callback bug")
+
+    lc = RequestLifecycle("logger", journal=Journal(structlog.testing.CapturingLogger()))
+    lc.add_done_callback(boom)
+    structlog.configure(logger_factory=factory, cache_logger_on_first_use=False)
+    try:
+        assert lc.fail(FailureReason.ABORTED) is True
+    finally:
+        structlog.configure(**old)
+    assert factory_args == [("kvguard.lifecycle",)]
 
 
 class _BrokenLogger:
@@ -690,8 +721,10 @@ def test_a_base_exception_in_a_done_callback_runs_the_rest_then_propagates() -> 
     lc.add_done_callback(lambda _: calls.append("a"))
     lc.add_done_callback(raiser("interrupt", first))
     lc.add_done_callback(lambda _: calls.append("b"))
-    lc.add_done_callback(raiser("exit", second))
-    lc.add_done_callback(raiser("bug", RuntimeError("callback bug")))
+    exit_cb = raiser("exit", second)
+    bug_cb = raiser("bug", RuntimeError("callback bug"))
+    lc.add_done_callback(exit_cb)
+    lc.add_done_callback(bug_cb)
     lc.add_done_callback(lambda _: calls.append("c"))
     with structlog.testing.capture_logs() as logs, pytest.raises(KeyboardInterrupt) as info:
         lc.fail(FailureReason.PEER_LOST)
@@ -703,6 +736,7 @@ def test_a_base_exception_in_a_done_callback_runs_the_rest_then_propagates() -> 
     assert time.monotonic() - t0 < 1.0
     failed = [e for e in logs if e["event"] == "done_callback_failed"]
     assert [e["request_id"] for e in failed] == [lc.request_id] * 2  # SystemExit and the bug
+    assert [e["callback"] for e in failed] == [repr(exit_cb), repr(bug_cb)]
     assert all(e["exc_info"] is True for e in failed)
     # The one callback added after the fact: its BaseException is its caller's.
     with pytest.raises(KeyboardInterrupt):

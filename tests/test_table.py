@@ -434,3 +434,56 @@ def test_the_reference_machine_is_a_mermaid_graph_machine() -> None:
     assert isinstance(REFERENCE_MACHINE, GraphMachine)
     assert REFERENCE_MACHINE.show_conditions is True
     assert REFERENCE_MACHINE.graph_cls.__module__ == "transitions.extensions.diagrams_mermaid"
+
+
+def test_building_the_reference_machine_gives_exactly_the_table() -> None:
+    # REFERENCE_MACHINE is built at import; build a fresh one to check how.
+    machine = _table._build_reference_machine()
+    assert isinstance(machine, GraphMachine)
+    assert list(machine.states) == [s.name for s in TransferState]
+    assert machine.initial == INITIAL.name
+    assert machine.models == []
+    assert machine.auto_transitions is False
+    assert machine.ignore_invalid_triggers is False
+    assert machine.show_conditions is True
+    assert machine.title == "title: Request lifecycle"
+    assert machine.graph_cls.__module__ == "transitions.extensions.diagrams_mermaid"
+    assert set(machine.events) == {e.value for e in Event}
+    edges = {
+        (
+            TransferState[src],
+            Event(name),
+            TransferState[str(t.dest)],
+            tuple(str(c.func) for c in t.conditions),
+        )
+        for name, ev in machine.events.items()
+        for src, ts in ev.transitions.items()
+        for t in ts
+    }
+    assert edges == {
+        (t.source, t.event, t.dest, (t.guard,) if t.guard else ()) for t in TRANSITIONS
+    }
+    assert all(
+        c.target
+        for ev in machine.events.values()
+        for ts in ev.transitions.values()
+        for t in ts
+        for c in t.conditions
+    )
+
+
+def test_validate_follows_paths_of_any_length(monkeypatch: Any) -> None:
+    # Listed source-first, each state reaches FAILED only through the next
+    # one: a single backward pass would strand all but the last.
+    chain = {
+        (S.PENDING, Event.START): (S.TRANSFERRING, None),
+        (S.TRANSFERRING, Event.COMPLETE): (S.DONE, None),
+    }
+    monkeypatch.setattr(_table, "DISPATCH", chain)
+    _table._validate()
+    del chain[(S.TRANSFERRING, Event.COMPLETE)]
+    with pytest.raises(
+        AssertionError,
+        match=r"^states that cannot reach a terminal state: \['PENDING', 'TRANSFERRING'\]$",
+    ):
+        _table._validate()
