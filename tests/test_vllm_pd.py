@@ -229,6 +229,7 @@ def row(d: Engine, rid: str, ref: list[int] | None) -> dict[str, Any]:
         "time_to_terminal_s": round(ev["t_end"] - d.sent[rid], 3),
         "tokens_equal": None if ref is None else ev["tokens"] == ref,
         "external_tokens": ev["external_tokens"],
+        "load": ev.get("load"),
     }
 
 
@@ -319,6 +320,8 @@ def _prefill_dies(
                     assert ev["finish_reason"] == "error" or r["tokens_equal"], r
                 else:
                     assert ev["finish_reason"] == "length" and r["tokens_equal"], r
+                    if sig == signal.SIGSTOP:  # recomputed: its load did fail
+                        assert r["load"] == "peer_lost", r
             if d.name == "decode-fail":
                 errors = sum(d.finished[r]["finish_reason"] == "error" for r in ids[d.name])
                 assert errors >= 1, "no request was affected: the scenario tested nothing"

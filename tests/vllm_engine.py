@@ -12,7 +12,7 @@ stdin, one JSON object a line:
 stdout (the real one; vLLM's own output goes to stderr), one JSON object a line:
     {"ev": "ready", "pid", "startup_s", "free_blocks", "total_blocks"}
     {"ev": "finished", "id", "tokens", "finish_reason", "kv_transfer_params",
-     "latency_s" (add -> finished), "external_tokens"}
+     "latency_s" (add -> finished), "external_tokens", "load" (ok, or why it failed)}
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
 is stepped whenever it has anything to do, held prefill blocks included, so
@@ -155,6 +155,14 @@ def main() -> None:
                 for rid, n in conn.external_tokens.items():
                     if rid == out.request_id or rid.startswith(out.request_id + "-"):
                         ext = n
+            load = None  # how the KV load ended on this (decode) side
+            worker = _worker_connector()
+            receiver = getattr(worker, "receiver", None)
+            if receiver is not None:
+                with receiver._lock:
+                    for rid, o in receiver.outcomes.items():
+                        if rid == out.request_id or rid.startswith(out.request_id + "-"):
+                            load = "ok" if o.ok else o.reason
             emit(
                 {
                     "ev": "finished",
@@ -164,6 +172,7 @@ def main() -> None:
                     "kv_transfer_params": out.kv_transfer_params,
                     "latency_s": time.monotonic() - started.get(out.request_id, 0.0),
                     "external_tokens": ext,
+                    "load": load,
                 }
             )
     emit({"ev": "bye"})
