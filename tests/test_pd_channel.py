@@ -19,7 +19,7 @@ import zmq
 from scheduler.vllm_kv.protocol import Abort, decode_from_decode, encode
 from scheduler.vllm_kv.receiver import DecodeReceiver, Outcome
 from scheduler.vllm_kv.sender import PrefillSender
-from transfer import KVCache, KVLayout, LocalBackend
+from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
 from transfer.peer_protocol import peer_message_of
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_bytes=256, kv_split=False)
@@ -150,3 +150,27 @@ def test_nobody_listening_at_first_contact_fails_at_once(pair: Pair) -> None:
     assert pair.until(lambda: "d1" in pair.outcomes, 5.0) < 1.0
     out = pair.outcomes["d1"]
     assert not out.ok and out.reason == "peer_lost" and "refused" in out.detail, out
+
+
+def test_a_cancelled_load_is_reported_only_after_the_prefill_let_go() -> None:
+    """vLLM #46283's case: the decode aborts while the transfer runs. The
+    decode's blocks may be written until the prefill's engine let go of them,
+    so the load is reported (failed) only then, and the prefill's hold too."""
+    p = Pair()
+    hanging = FaultInjectingBackend(p.backend, FaultPlan.script([FaultKind.HANG]))
+    p.sender.close(timeout=2.0)
+    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0", peer_backends=(p.backend,))
+    try:
+        p.sender.hold("r1", [1], time.monotonic() + 30)
+        p.receiver.expect("d1", p.sender.endpoint, "r1", [2], time.monotonic() + 30)
+        p.until(lambda: p.sender.stats.pushed == 1)
+        p.receiver.cancel("d1")
+        time.sleep(0.3)  # aborted at the prefill, but the engine still holds the blocks
+        p.poll()
+        assert "d1" not in p.outcomes and "r1" not in p.released
+        hanging.release_hangs()  # the engine lets go
+        p.until(lambda: "d1" in p.outcomes and "r1" in p.released)
+        out = p.outcomes["d1"]
+        assert not out.ok and out.reason == "aborted", out
+    finally:
+        p.close()
