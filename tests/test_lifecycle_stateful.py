@@ -492,6 +492,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert lc.reason is sh.reason
             assert lc.error is sh.error
             assert (lc.reason is not None) is (lc.state is S.FAILED)
+            # One snapshot of all three, equal to the separate views.
+            assert tuple(lc.outcome) == (sh.state, sh.reason, sh.error)
 
     @invariant()
     def terminal_is_forever(self) -> None:
