@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -266,10 +267,12 @@ def timeline(mode: str) -> dict[str, float]:
         backend.add_peer(decode.peer)
         _direct(backend, build_plan(src, decode.peer, [4000], [4000]))  # connect
         marks: dict[str, float] = {}
+        refilled_done = threading.Event()
 
         def refill(_op: object) -> None:
             marks["released"] = time.monotonic()
             src.fill_seeded(2)  # reuse the blocks the moment they are released
+            refilled_done.set()
 
         decode.freeze()
         plan = plan_entries_naive(src, decode.peer, blocks, blocks[::-1])
@@ -288,8 +291,8 @@ def timeline(mode: str) -> dict[str, float]:
         else:
             marks["kill"] = time.monotonic()
             decode.kill()
-        if not op.wait_quiesced(60):
-            raise RuntimeError("op never quiesced")
+        if not op.wait_quiesced(60) or not refilled_done.wait(10):
+            raise RuntimeError("op never quiesced")  # (the event: callbacks end after)
         marks.setdefault("terminal", op.resolved_at or float("nan"))
         out = {f"{k}_s": round(v - t0, 3) for k, v in marks.items()}
         out["quarantined_mib"] = round(plan.nbytes / 2**20, 1)

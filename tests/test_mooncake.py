@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -612,10 +613,12 @@ def test_frozen_peer_blocks_are_released_only_after_the_engine_is_done(
             run(backend, cache, proc, [100], [100])  # connected and known alive
             before = block_digests(cache, blocks)
             timeline: dict[str, float] = {}
+            refilled = threading.Event()
 
             def refill(op: object) -> None:
                 timeline["released"] = time.monotonic()
                 cache.fill_seeded(99)  # the blocks are reused at once
+                refilled.set()
 
             proc.freeze()
             op = backend.submit(plan_entries_naive(cache, proc.peer, blocks, blocks))
@@ -632,8 +635,10 @@ def test_frozen_peer_blocks_are_released_only_after_the_engine_is_done(
             thawed = time.monotonic()
             proc.thaw()
             assert op.wait_quiesced(10.0)
+            assert refilled.wait(5.0)  # wait_quiesced returns before the callbacks end
             assert timeline["released"] >= thawed
             after = block_digests(cache, blocks)
+            assert not set(after) & set(before)
             landed = proc.checksums(blocks)
             time.sleep(0.5)
             assert proc.checksums(blocks) == landed, "destination changed after release"
