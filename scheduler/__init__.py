@@ -2,14 +2,24 @@
 
 ``Scheduler`` owns request lifecycles: submit, poll (vLLM ``get_finished()``
 shape), blocking and asyncio waits, abort, deadlines, peer liveness, retries,
-release after quiesce and metrics. ``kvguard`` (scheduler.cli) is the CLI.
+release after quiesce and metrics. Inside it, a sans-I/O core is stepped by a
+thread, an asyncio task (``run_async``) or the host's loop (``step``).
+``kvguard`` (scheduler.cli) is the CLI.
 Observability (docs/observability.md): ``JsonlJournal`` writes the
 transition journal and ``read_journal`` replays it; ``register_metrics``
 exports Prometheus metrics; ``StuckInspector`` finds overdue live requests.
 """
 
-from ._scheduler import Finished, MetricsSnapshot, ReleaseCallback, RetryPolicy, Scheduler
+from ._facade import Scheduler
+from ._records import (
+    DEFAULT_PEER_LOST_AFTER_PROBES,
+    Finished,
+    MetricsSnapshot,
+    ReleaseCallback,
+    RetryPolicy,
+)
 from .errors import (
+    DriverFailed,
     DuplicateRequest,
     InvalidRequest,
     SchedulerClosed,
@@ -22,6 +32,8 @@ from .metrics import MetricsServer, SchedulerCollector, register_metrics, serve_
 from .stuck import StuckInspector, StuckRequest, stuck_requests
 
 __all__ = [
+    "DEFAULT_PEER_LOST_AFTER_PROBES",
+    "DriverFailed",
     "DuplicateRequest",
     "Finished",
     "InvalidRequest",

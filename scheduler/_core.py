@@ -35,6 +35,7 @@ import heapq
 import threading
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import structlog
@@ -161,6 +162,7 @@ class SchedulerCore:
             newly, victims = self.table.peers.lose(session_id)
         if newly:
             _log.warning("peer_lost", peer=session_id, live_requests=len(victims))
+            self.table.wake()  # the driver schedules probes that may revive it
         return _fail(victims, FailureReason.PEER_LOST, err)
 
     def shutdown(self) -> list[Request]:
@@ -271,7 +273,9 @@ class SchedulerCore:
         except BaseException as exc:
             waiting = False
             if lc.fail(exit_reason(exc), exc):
-                _log.error("worker_crashed", request_id=req.request_id, exc_info=exc)
+                # Rendering a traceback can take longer than a deadline's
+                # slack: it is logged on the callback thread, not in the step.
+                self.defer(partial(_crashed, req.request_id, (type(exc), exc, exc.__traceback__)))
         if not waiting:
             if not lc.is_terminal:
                 lc.fail(FailureReason.WORKER_EXITED)
@@ -387,6 +391,10 @@ class SchedulerCore:
     @property
     def lock(self) -> threading.Lock:
         return self._lock
+
+
+def _crashed(request_id: str, exc_info: object) -> None:
+    _log.error("worker_crashed", request_id=request_id, exc_info=exc_info)
 
 
 def _settle(req: Request, alive: bool) -> None:

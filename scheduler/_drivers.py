@@ -84,8 +84,11 @@ class CallbackRunner:
         _log.warning("callback_stalled", stall_s=self.stall_s, waiting=len(self._jobs))
 
     def next_check(self) -> float | None:
+        """When the driver should call check_stall() next (None: nothing runs)."""
         busy = self._busy_since
-        return None if busy is None else busy + self.stall_s
+        if busy is None and not self._jobs:
+            return None
+        return (self._clock() if busy is None else busy) + self.stall_s
 
     def _start(self) -> None:
         # Under _cv.

@@ -25,7 +25,8 @@ from prometheus_client.registry import Collector
 
 from lifecycle import FailureReason, TransferState
 
-from ._scheduler import Finished, MetricsSnapshot, Scheduler
+from ._facade import Scheduler
+from ._records import Finished, MetricsSnapshot
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -103,7 +104,7 @@ class SchedulerCollector(Collector):
         scheduler.add_observer(self._observe)
 
     def _observe(self, fin: Finished) -> None:
-        # Runs in whichever scheduler thread ended the request: cheap, no lock of ours.
+        # Runs on the scheduler's callback thread, in order: cheap, no lock of ours.
         self._latency.labels(_OUTCOME[fin.state]).observe(fin.latency_s)
 
     def describe(self) -> Iterator[Metric]:

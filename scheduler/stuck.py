@@ -25,7 +25,7 @@ import structlog
 
 from lifecycle import TransferState
 
-from ._scheduler import Scheduler
+from ._facade import Scheduler
 
 __all__ = ["StuckInspector", "StuckRequest", "stuck_requests"]
 

@@ -10,6 +10,7 @@ releases per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -22,6 +23,7 @@ import pytest
 
 from lifecycle import TERMINAL, FailureReason, RequestLifecycle, TransferState
 from scheduler import (
+    DriverFailed,
     DuplicateRequest,
     Finished,
     InvalidRequest,
@@ -31,6 +33,8 @@ from scheduler import (
     UnknownPeer,
     UnknownRequest,
 )
+from scheduler._release import run_release
+from scheduler._requests import Request, Tombstone
 from transfer import (
     EngineError,
     Fault,
@@ -883,6 +887,8 @@ def test_observers_see_every_outcome_and_a_raising_one_harms_nothing(make_rig: M
     rig.sched.mark_peer_lost(PEER)
     rig.submit("dead", [3], [3])
     got = poll_until(rig, 5)
+    # Observers run on the callback thread, after the step that ended the request.
+    assert wait_until(lambda: len(seen) == 5)
     assert sorted(f.request_id for f in got) == sorted(f.request_id for f in seen)
     assert sorted(f.request_id for f in seen) == ["dead", "empty", "failed", "hung", "ok"]
     assert {f.request_id: f.state for f in seen}["empty"] is _S.DONE
@@ -964,7 +970,8 @@ def test_close_fails_live_requests_with_shutdown_and_returns(make_rig: MakeRig) 
     with pytest.raises(SchedulerClosed):
         rig.sched.submit("x", [3], [3], peer=PEER)
     rig.check_i6()
-    assert not any(t.is_alive() for t in rig.sched._threads)
+    driver = rig.sched._driver
+    assert driver is not None and not driver.thread.is_alive()
 
 
 def test_close_with_nothing_stuck_drains_and_is_idempotent(rig: Rig) -> None:
@@ -999,16 +1006,17 @@ def test_remove_peer_fails_its_live_requests_and_forgets_it(make_rig: MakeRig) -
     with pytest.raises(UnknownPeer):
         rig.sched.remove_peer(PEER)
     # Quarantine still holds: the hung ops have not returned.
-    assert rig.sched.metrics().quarantined == 2
+    assert wait_until(lambda: rig.sched.metrics().quarantined == 2)
+    assert rig.sched.metrics().quarantined_bytes == 2 * LAYOUT.num_buffers * 64
     rig.faults.release_hangs()
     assert rig.sched.drain(WAIT)
     rig.check_i6()
 
 
-def test_the_release_thread_counts_double_and_early_releases(make_rig: MakeRig) -> None:
-    """The I6 detectors themselves: feed the release thread what a broken
-    release path would (the same entry twice; an entry whose op still runs)
-    and check that each is counted, and the second release not performed."""
+def test_the_release_path_counts_double_and_early_releases(make_rig: MakeRig) -> None:
+    """The I6 detectors themselves: feed the release path what a broken core
+    would (a released request again; a request whose op still runs) and check
+    that each is counted, and the second release not performed."""
     rig = make_rig([HANG])
     hung = rig.submit("early", [0], [0])
     assert wait_until(lambda: hung.state is _S.TRANSFERRING)
@@ -1016,26 +1024,262 @@ def test_the_release_thread_counts_double_and_early_releases(make_rig: MakeRig) 
     assert done.wait(WAIT) is _S.DONE
     assert rig.wait_released("twice")
     calls_before = rig.sched.metrics().released
-    # A stale entry (already released) comes back: counted, not released again.
-    entry = _Entry_of(rig.sched, "early")
-    rig.sched._releases.put(_StaleEntry(entry))  # type: ignore[arg-type]
-    # An entry whose op has not quiesced goes to release: counted.
-    rig.sched._releases.put(entry)
-    assert wait_until(lambda: rig.sched.metrics().released_before_quiesce == 1)
+    table, checks = rig.sched._table, rig.sched._core.checks
+    twice = _Stale(done, rig.backend.ops_of("twice"))
+    run_release(twice, table, checks)  # type: ignore[arg-type]
+    early = table.find("early")
+    assert isinstance(early, Request)
+    early.finished = Finished("early", _S.FAILED, None, None, 1, PEER, 0, 0.0)
+    run_release(early, table, checks)
     m = rig.sched.metrics()
-    assert m.double_releases == 1
+    assert (m.double_releases, m.released_before_quiesce) == (1, 1)
     assert m.released == calls_before + 1
+    assert rig.released("twice") == 1
     rig.faults.release_hangs()
 
 
-def _Entry_of(sched: Scheduler, rid: str) -> Any:
-    with sched._lock:
-        return sched._entries[rid]
+class _Stale:
+    """Looks like a request, but is not the one the table holds under its id."""
+
+    def __init__(self, lc: RequestLifecycle, ops: list[TransferOp]) -> None:
+        self.request_id = lc.request_id
+        self.lc = lc
+        self.ops = ops
+        self.release = None
+        self.finished = None
 
 
-class _StaleEntry:
-    """Looks like an entry of a request, but is not the one the scheduler holds."""
+# -- the driver: callbacks off the step, dead drivers, peer races, memory ----------------
 
-    def __init__(self, entry: Any) -> None:
-        self.lifecycle = entry.lifecycle
-        self.ops = entry.ops
+
+def test_a_slow_done_callback_delays_no_other_deadline(make_rig: MakeRig) -> None:
+    """A's done-callback blocks for 2 s when A times out; B's 0.3 s deadline
+    still fires on time, and wait(B) returns FAILED, not PENDING (I4)."""
+    rig = make_rig([HANG, HANG], workers=1)
+    gate = threading.Event()
+    a = rig.submit("a", [0], [0], deadline_s=0.2)
+    a.add_done_callback(lambda _lc: gate.wait(2.0))
+    t0 = time.monotonic()
+    rig.submit("b", [1], [1], deadline_s=0.3)  # queued behind a: PENDING
+    assert rig.sched.wait("b") is _S.FAILED
+    took = time.monotonic() - t0
+    assert took < 0.3 + TOL, took
+    assert rig.sched.get("b").reason is FailureReason.TIMEOUT
+    gate.set()
+
+
+@pytest.mark.parametrize("where", ["observer", "release", "done_callback"])
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt, RuntimeError])
+def test_a_callback_raising_anything_stops_nothing(
+    make_rig: MakeRig, where: str, exc: type[BaseException]
+) -> None:
+    def boom(*_args: object) -> None:
+        raise exc("from a callback")
+
+    rig = make_rig([HANG], release=boom if where == "release" else None)
+    if where == "observer":
+        rig.sched.add_observer(boom)
+    first = rig.submit("first", [0], [0], deadline_s=0.2)
+    if where == "done_callback":
+        first.add_done_callback(boom)
+    assert first.wait(WAIT) is _S.FAILED  # the hang times out: callbacks run
+    rig.faults.release_hangs()
+    # Queued requests still have deadlines, and work still gets done.
+    assert rig.submit("ok", [1], [1]).wait(WAIT) is _S.DONE
+    lc = rig.submit("late", [2], [2], deadline_s=0.2)
+    assert rig.sched.wait("late") is _S.DONE or lc.reason is FailureReason.TIMEOUT
+    assert rig.sched.drain(WAIT)
+    m = rig.sched.metrics()
+    assert m.driver_alive and m.released == 3
+
+
+def test_a_blocking_callback_is_given_up_on_and_the_rest_go_on(rig: Rig) -> None:
+    gate = threading.Event()
+    rig.sched._callbacks.stall_s = 0.2
+    released: list[str] = []
+    started = threading.Event()
+
+    def stuck(rid: str, fin: Finished) -> None:
+        started.set()
+        gate.wait(WAIT)
+
+    rig.submit("stuck", [0], [0], release=stuck)
+    assert started.wait(WAIT)  # the callback thread is now blocked in it
+    for i in range(1, 4):
+        rig.submit(f"r{i}", [i], [i], release=lambda rid, fin: released.append(rid))
+    assert wait_until(lambda: len(released) == 3, 3.0), released
+    m = rig.sched.metrics()
+    assert m.callbacks_stalled >= 1 and m.driver_alive
+    assert rig.released("stuck") == 0  # its callback is still running
+    gate.set()
+    assert rig.sched.drain(WAIT)
+
+
+def test_a_dead_driver_is_reported_not_silent(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    lc = rig.submit("before", [0], [0])
+    assert lc.wait(WAIT) is _S.DONE
+    # A bug in the core: its next step raises, and takes the driver down.
+    monkeypatch.setattr(rig.sched._core, "step", _raise_system_exit)
+    waiting = rig.submit("after", [1], [1], deadline_s=0.3)
+    driver = rig.sched._driver
+    assert driver is not None
+    driver.thread.join(WAIT)
+    m = rig.sched.metrics()
+    assert m.driver_alive is False
+    with pytest.raises(DriverFailed):
+        rig.sched.submit("x", [2], [2], peer=PEER)
+    with pytest.raises(DriverFailed):
+        rig.sched.wait("after")
+    assert not waiting.is_terminal
+    monkeypatch.undo()
+    rig.sched.step()  # the host can still step it by hand
+    rig.close_timeout = 0.5
+
+
+def _raise_system_exit(now: float) -> None:
+    raise SystemExit("core bug")
+
+
+def test_remove_peer_racing_submits_never_writes_to_a_removed_peer(rig: Rig) -> None:
+    removed_at: list[float] = []
+    sent_at: list[tuple[str, float]] = []
+    inner_submit = rig.backend.submit
+
+    def submit(plan: TransferPlan) -> TransferOp:
+        sent_at.append((plan.peer, time.monotonic()))
+        return inner_submit(plan)
+
+    rig.backend.submit = submit  # type: ignore[method-assign]
+    accepted: list[RequestLifecycle] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        i = 0
+        while not stop.is_set():
+            with contextlib.suppress(UnknownPeer, DuplicateRequest):
+                accepted.append(rig.submit(f"h{i}", [i % 64], [i % 64]))
+            i += 1
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    time.sleep(0.05)
+    rig.sched.remove_peer(PEER)
+    removed_at.append(time.monotonic())
+    time.sleep(0.05)
+    stop.set()
+    t.join()
+    assert accepted
+    assert rig.sched.drain(WAIT)
+    # Every request accepted ended, and nothing was sent after the removal.
+    assert all(lc.is_terminal for lc in accepted)
+    assert all(at <= removed_at[0] for _, at in sent_at), "sent to a removed peer"
+
+
+def test_add_peer_replacing_a_peer_fails_requests_planned_for_the_old_one(
+    make_rig: MakeRig,
+) -> None:
+    rig = make_rig([HANG])
+    lc = rig.submit("old", [0], [0])
+    assert wait_until(lambda: lc.state is _S.TRANSFERRING)
+    rig.sched.add_peer(rig.info)  # the same advertisement: nothing changes
+    assert lc.state is _S.TRANSFERRING
+    moved = PeerInfo(PEER, rig.info.regions[:1], LAYOUT, block_base=rig.info.block_base)
+    rig.sched.add_peer(moved)
+    assert lc.reason is FailureReason.PEER_LOST
+    rig.faults.release_hangs()
+    rig.sched.add_peer(rig.info)
+    assert rig.submit("new", [1], [1]).wait(WAIT) is _S.DONE
+
+
+def test_an_op_that_quiesces_after_close_is_released_exactly_once(make_rig: MakeRig) -> None:
+    rig = make_rig([HANG])
+    lc = rig.submit("hung", [0], [0])
+    assert wait_until(lambda: lc.state is _S.TRANSFERRING)
+    assert rig.sched.close(timeout=0.2) is False
+    assert lc.reason is FailureReason.SHUTDOWN
+    assert rig.released("hung") == 0
+    m = rig.sched.metrics()
+    assert (m.quarantined, m.quarantined_bytes) == (1, LAYOUT.num_buffers * 64)
+    rig.faults.release_hangs()  # the engine lets go, after close() returned
+    assert rig.wait_released("hung")
+    time.sleep(0.05)
+    assert rig.released("hung") == 1
+    assert rig.sched.metrics().quarantined == 0
+    rig.check_i6()
+
+
+def test_close_from_a_callback_returns_without_joining_itself(make_rig: MakeRig) -> None:
+    results: list[object] = []
+
+    def close_here(rid: str, fin: Finished) -> None:
+        t0 = time.monotonic()
+        try:
+            results.append(own.sched.close(timeout=2.0))
+        except BaseException as exc:
+            results.append(exc)
+        results.append(time.monotonic() - t0)
+
+    own = make_rig(release=close_here)
+    own.submit("r", [0], [0])
+    assert wait_until(lambda: len(results) == 2)
+    assert not isinstance(results[0], BaseException), results
+    assert isinstance(results[1], float) and results[1] < 1.5, results
+
+
+def test_memory_follows_live_requests_not_traffic(rig: Rig) -> None:
+    """A caller that only waits: the outcomes kept for poll() are capped, and
+    after a drain the core keeps nothing per request but bounded tombstones."""
+    sched = Scheduler(rig.local, rig.src, workers=8, max_unpolled=50)
+    try:
+        sched.add_peer(rig.info)
+        for i in range(300):
+            lc = sched.submit(f"m{i}", [i % 64], [i % 64], peer=PEER)
+            assert sched.wait(lc.request_id) is _S.DONE
+        assert sched.drain(WAIT)
+        m = sched.metrics()
+        assert (m.unpolled, m.unpolled_dropped) == (50, 250)
+        assert sched._core.sizes() == dict.fromkeys(sched._core.sizes(), 0)
+        recent = sched._table._recent
+        assert len(recent) == 300 and all(isinstance(t, Tombstone) for t in recent.values())
+    finally:
+        sched.close()
+
+
+def test_the_error_of_a_finished_request_pins_no_frames(rig: Rig) -> None:
+    rig.backend.errors.append(RuntimeError("backend bug"))  # a crash: raised, with frames
+    lc = rig.submit("r", [0], [0])
+    assert lc.wait(WAIT) is _S.FAILED and lc.reason is FailureReason.WORKER_CRASHED
+    [fin] = poll_until(rig, 1)
+    assert fin.error is lc.error and lc.error is not None
+    assert lc.error.__traceback__ is None
+
+
+def test_the_asyncio_driver_and_a_host_loop_drive_the_same_core(rig: Rig) -> None:
+    async def serve() -> tuple[TransferState, TransferState]:
+        sched = Scheduler(rig.local, rig.src, driver="external")
+        sched.add_peer(rig.info)
+        task = asyncio.ensure_future(sched.run_async())
+        sched.submit("a1", [0], [0], peer=PEER)
+        sched.submit("a2", [1], [1], peer=PEER, deadline_s=0.3)
+        first = await sched.wait_async("a1", timeout=WAIT)
+        second = await sched.wait_async("a2", timeout=WAIT)
+        sched.close(timeout=0.5)
+        await asyncio.wait_for(task, WAIT)
+        return first, second
+
+    assert asyncio.run(serve()) == (_S.DONE, _S.DONE)
+
+    host = Scheduler(rig.local, rig.src, driver="external")
+    try:
+        host.add_peer(rig.info)
+        host.submit("h1", [2], [2], peer=PEER)
+        got: list[Finished] = []
+        end = time.monotonic() + WAIT
+        while not got and time.monotonic() < end:  # the host's serving loop
+            host.step()
+            got.extend(host.poll())
+            time.sleep(0.001)
+        assert [(f.request_id, f.state) for f in got] == [("h1", _S.DONE)]
+        assert host.drain(WAIT)
+    finally:
+        host.close()
