@@ -417,6 +417,10 @@ def test_guarded_async() -> None:
         await asyncio.sleep(0)
 
     assert asyncio.iscoroutinefunction(ok)
+    # Only coroutine workers are marked: the others return (async) generators.
+    assert not asyncio.iscoroutinefunction(guarded(_gen_worker))
+    assert not asyncio.iscoroutinefunction(guarded(_agen_worker))
+    assert not asyncio.iscoroutinefunction(guarded(lambda lc: None))
     a, b, c = RequestLifecycle("a"), RequestLifecycle("b"), RequestLifecycle("c")
     assert asyncio.run(ok(a, 1)) == 2
     with pytest.raises(ReasonedError) as info:

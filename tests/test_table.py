@@ -4,6 +4,7 @@ diagram (``kvguard diagram --check``)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -436,9 +437,14 @@ def test_the_reference_machine_is_a_mermaid_graph_machine() -> None:
     assert REFERENCE_MACHINE.graph_cls.__module__ == "transitions.extensions.diagrams_mermaid"
 
 
-def test_building_the_reference_machine_gives_exactly_the_table() -> None:
+def test_building_the_reference_machine_gives_exactly_the_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # REFERENCE_MACHINE is built at import; build a fresh one to check how.
-    machine = _table._build_reference_machine()
+    with caplog.at_level(logging.DEBUG, logger="transitions"):
+        machine = _table._build_reference_machine()
+    # Asked for mermaid directly: no failed Graphviz import, no fallback warning.
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert isinstance(machine, GraphMachine)
     assert list(machine.states) == [s.name for s in TransferState]
     assert machine.initial == INITIAL.name
