@@ -44,7 +44,6 @@ from lifecycle import FailureReason, Journal, TransferState, exit_reason
 from transfer import (
     PeerInfo,
     PeerLost,
-    PeerUnreachable,
     TransferBackend,
     TransferError,
     TransferOp,
@@ -54,9 +53,9 @@ from transfer import (
 
 from ._deadlines import Timers
 from ._peers import Peers
-from ._records import Finished, ReleaseCallback, RetryPolicy
+from ._records import Finished, ReleaseCallback, RetryPolicy, detach_traceback
 from ._release import Quarantine, ReleaseChecks
-from ._requests import Phase, Request, RequestTable, ScheduledLifecycle
+from ._requests import Phase, Request, RequestTable, ScheduledLifecycle, fail_all, settle
 
 __all__ = ["SchedulerCore", "StepResult"]
 
@@ -98,6 +97,7 @@ class SchedulerCore:
         # readers (metrics) take _lock too and never see a half-applied step.
         self._lock = threading.Lock()
         self._now = 0.0  # the time step() was given
+        self._owner: int | None = None  # the thread inside step(), while it is
         self._queue: list[tuple[int, int, Request]] = []  # (-priority, seq, QUEUED request)
         self._queue_stale = 0  # queue items no longer QUEUED
         self._seq = 0
@@ -127,13 +127,18 @@ class SchedulerCore:
             request_id, self.defer, max_attempts=self.retry.max_attempts, journal=self.journal
         )
         req = Request(lc, plan, now, deadline_s, priority, release)
-        post = self.table.post
-        lc.on_terminal(lambda _lc: post(self._on_terminal, req))
+        post, get_ident = self.table.post, threading.get_ident
+
+        def ended(_lc: object) -> None:
+            if self._owner != get_ident():  # the core itself handles its own endings
+                post(self._on_terminal, req)
+
+        lc.on_terminal(ended)
         return req
 
     def accept(self, req: Request, info: PeerInfo) -> None:
         """Admit ``req`` (see RequestTable.admit); the caller retries on LookupError."""
-        self.table.admit(req, info, self._on_new, _settle)
+        self.table.admit(req, info, self._on_new, settle)
         self.table.wake()
 
     def probe_result(self, session_id: str, error: BaseException | None) -> None:
@@ -143,7 +148,7 @@ class SchedulerCore:
         with self.table.lock:
             _, stranded = self.table.peers.add(info)
         err = PeerLost(f"peer {info.session_id} was replaced", peer=info.session_id)
-        return _fail(stranded, FailureReason.PEER_LOST, err)
+        return fail_all(stranded, FailureReason.PEER_LOST, err)
 
     def remove_peer(self, session_id: str) -> int | None:
         with self.table.lock:
@@ -152,10 +157,14 @@ class SchedulerCore:
             return None
         _log.info("peer_removed", peer=session_id, live_requests=len(peer.live))
         err = PeerLost(f"peer {session_id} was removed", peer=session_id)
-        return _fail(list(peer.live), FailureReason.PEER_LOST, err)
+        return fail_all(list(peer.live), FailureReason.PEER_LOST, err)
 
     def lose_peer(self, session_id: str, err: TransferError) -> int | None:
         """Mark lost and fail its live requests; None if the peer is unknown."""
+        victims = self._lose(session_id)
+        return None if victims is None else fail_all(victims, FailureReason.PEER_LOST, err)
+
+    def _lose(self, session_id: str) -> list[Request] | None:
         with self.table.lock:
             if self.table.peers.get(session_id) is None:
                 return None
@@ -163,12 +172,12 @@ class SchedulerCore:
         if newly:
             _log.warning("peer_lost", peer=session_id, live_requests=len(victims))
             self.table.wake()  # the driver schedules probes that may revive it
-        return _fail(victims, FailureReason.PEER_LOST, err)
+        return victims
 
     def shutdown(self) -> list[Request]:
         """Refuse submits; fail every live request with SHUTDOWN."""
         live = self.table.close()
-        _fail(live, FailureReason.SHUTDOWN, None)
+        fail_all(live, FailureReason.SHUTDOWN, None)
         self.table.wake()
         return live
 
@@ -178,6 +187,7 @@ class SchedulerCore:
         table = self.table
         with self._lock:
             self._now = now
+            self._owner = threading.get_ident()
             inbox = table.inbox
             while True:
                 while inbox:
@@ -201,6 +211,7 @@ class SchedulerCore:
             ]
             if probe_at is not None:
                 times.append(probe_at)
+            self._owner = None
         wakers = table.report(reported) if reported else []
         return StepResult(finished, releases, probes, wakers, min(times) if times else None)
 
@@ -234,9 +245,15 @@ class SchedulerCore:
                 session_id, error is None, self._now, self.probe_interval_s
             )
         if verdict == "lost":
-            self.lose_peer(session_id, PeerLost(f"probe failed: {error}", peer=session_id))
+            self._lose_now(session_id, PeerLost(f"probe failed: {error}", peer=session_id))
         elif verdict == "alive":
             _log.info("peer_alive", peer=session_id)
+
+    def _lose_now(self, session_id: str, err: TransferError) -> None:
+        # In the step, the core's own endings post nothing: finish them here.
+        for req in self._lose(session_id) or ():
+            if req.lc.fail(FailureReason.PEER_LOST, err) or req.lc.is_terminal:
+                self._finish(req)
 
     # -- timers and admission (step only) ------------------------------------------------
 
@@ -309,8 +326,8 @@ class SchedulerCore:
             lc.complete()
             return False
         if err.reason is FailureReason.PEER_LOST:
-            self.lose_peer(req.peer, err)
             lc.fail(err.reason, err)
+            self._lose_now(req.peer, err)
             return False
         if not (err.retryable and lc.attempt < lc.max_attempts):
             lc.fail(err.reason, err)
@@ -340,7 +357,7 @@ class SchedulerCore:
         if op is not None:
             op.cancel()  # no new batches; the running one ends or times out
         lc = req.lc
-        _detach_traceback(lc.error)
+        detach_traceback(lc.error)
         if lc.state is TransferState.DONE:
             self.done += 1
             self.bytes_done += req.plan.nbytes
@@ -395,31 +412,3 @@ class SchedulerCore:
 
 def _crashed(request_id: str, exc_info: object) -> None:
     _log.error("worker_crashed", request_id=request_id, exc_info=exc_info)
-
-
-def _settle(req: Request, alive: bool) -> None:
-    # Under the table lock, before the core sees the request.
-    lc = req.lc
-    if not req.plan.batches:
-        # Nothing to send (a full prefix-cache hit): DONE at once, never
-        # "pending forever because no transfer will report it".
-        lc.start()
-        lc.complete()
-    elif not alive:
-        lc.fail(
-            FailureReason.PEER_LOST,
-            PeerUnreachable(f"peer {req.peer} is marked lost; not sending", peer=req.peer),
-        )
-
-
-def _fail(reqs: list[Request], reason: FailureReason, err: BaseException | None) -> int:
-    return sum(r.lc.fail(reason, err) for r in reqs)
-
-
-def _detach_traceback(exc: BaseException | None) -> None:
-    """Drop the frames an error pins (they hold plans, ops, tensors); keep the error."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__

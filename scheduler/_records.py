@@ -16,6 +16,7 @@ __all__ = [
     "MetricsSnapshot",
     "ReleaseCallback",
     "RetryPolicy",
+    "detach_traceback",
 ]
 
 ReleaseCallback = Callable[[str, "Finished"], object]
@@ -90,3 +91,12 @@ class MetricsSnapshot:
     @property
     def failed(self) -> int:
         return sum(self.failed_by_reason.values())
+
+
+def detach_traceback(exc: BaseException | None) -> None:
+    """Drop the frames an error pins (they hold plans, ops, tensors); keep the error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -12,8 +12,6 @@ release is never performed.
 
 from __future__ import annotations
 
-import threading
-
 import structlog
 
 from ._requests import Phase, Request, RequestTable
@@ -59,40 +57,37 @@ class Quarantine:
 
 
 class ReleaseChecks:
-    """The I6 detectors' counters, and who is being released right now."""
+    """The I6 detectors' counters, and who is being released right now.
 
-    __slots__ = ("_lock", "_running", "before_quiesce", "double")
+    Used under the request table's lock (``run_release``, ``RequestTable.forget``).
+    """
 
-    _lock: threading.Lock
-    _running: set[Request]  # release callbacks running, to tell a second release
+    __slots__ = ("before_quiesce", "double", "running")
+
+    running: set[Request]  # release callbacks running, to tell a second release
     before_quiesce: int  # releases that found an op of the request not quiesced
     double: int  # releases of a request already released or not in the table
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = set()
+        self.running = set()
         self.before_quiesce = 0
         self.double = 0
 
-    def begin(self, req: Request, table: RequestTable) -> bool:
-        with self._lock:
-            holds = table.find(req.request_id) is req
-            if req in self._running or not holds:
-                self.double += 1
-                return False
-            self._running.add(req)
-            if not all(op.quiesced for op in req.ops):
-                self.before_quiesce += 1
-            return True
-
-    def end(self, req: Request) -> None:
-        with self._lock:
-            self._running.discard(req)
+    def begin(self, req: Request, held: bool) -> bool:
+        if req in self.running or not held:
+            self.double += 1
+            return False
+        self.running.add(req)
+        if not all(op.quiesced for op in req.ops):
+            self.before_quiesce += 1
+        return True
 
 
 def run_release(req: Request, table: RequestTable, checks: ReleaseChecks) -> None:
     """Callback thread: the user's release callback, then the id is free again."""
-    if not checks.begin(req, table):
+    with table.lock:
+        ok = checks.begin(req, table.holds(req))
+    if not ok:
         _log.error("double_release", request_id=req.request_id)
         return
     try:
@@ -103,5 +98,4 @@ def run_release(req: Request, table: RequestTable, checks: ReleaseChecks) -> Non
             except BaseException:
                 _log.exception("release_callback_failed", request_id=req.request_id)
     finally:
-        table.forget(req)
-        checks.end(req)
+        table.forget(req, checks.running)

@@ -18,13 +18,22 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from lifecycle import DoneCallback, FailureReason, Journal, RequestLifecycle, TransferState
-from transfer import PeerInfo, TransferOp, TransferPlan
+from transfer import PeerInfo, PeerUnreachable, TransferOp, TransferPlan
 
 from ._peers import Peers
 from ._records import Finished, ReleaseCallback
 from .errors import DuplicateRequest, SchedulerClosed, UnknownPeer
 
-__all__ = ["RECENT", "Phase", "Request", "RequestTable", "ScheduledLifecycle", "Tombstone"]
+__all__ = [
+    "RECENT",
+    "Phase",
+    "Request",
+    "RequestTable",
+    "ScheduledLifecycle",
+    "Tombstone",
+    "fail_all",
+    "settle",
+]
 
 RECENT = 4096  # released requests remembered for wait()/abort()/get()
 
@@ -277,10 +286,15 @@ class RequestTable:
 
     # -- release ---------------------------------------------------------------------
 
-    def forget(self, req: Request) -> bool:
+    def holds(self, req: Request) -> bool:
+        """Under ``lock``: is ``req`` the request its id stands for?"""
+        return self._by_id.get(req.request_id) is req
+
+    def forget(self, req: Request, releasing: set[Request]) -> bool:
         """The release callback returned: free the id. False if it was not held."""
         rid = req.request_id
         with self.lock:
+            releasing.discard(req)
             if self._by_id.get(rid) is not req:
                 return False
             del self._by_id[rid]
@@ -299,6 +313,25 @@ class RequestTable:
     def wait_idle(self, timeout: float | None) -> bool:
         with self.idle:
             return self.idle.wait_for(lambda: not self._by_id, timeout)
+
+
+def settle(req: Request, alive: bool) -> None:
+    # Under the table lock, before the core sees the request.
+    lc = req.lc
+    if not req.plan.batches:
+        # Nothing to send (a full prefix-cache hit): DONE at once, never
+        # "pending forever because no transfer will report it".
+        lc.start()
+        lc.complete()
+    elif not alive:
+        lc.fail(
+            FailureReason.PEER_LOST,
+            PeerUnreachable(f"peer {req.peer} is marked lost; not sending", peer=req.peer),
+        )
+
+
+def fail_all(reqs: list[Request], reason: FailureReason, err: BaseException | None) -> int:
+    return sum(r.lc.fail(reason, err) for r in reqs)
 
 
 def _nothing() -> None:

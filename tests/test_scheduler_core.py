@@ -30,6 +30,7 @@ profile.
 from __future__ import annotations
 
 import heapq
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -161,14 +162,19 @@ class SimBackend(TransferBackend):
         self.submits.append((rid, behaviour, op))
         if behaviour == "race_abort":
             # Another thread's abort() lands while the core is in its step.
-            for lc in reversed(self.lifecycles):
-                if lc.request_id != rid and lc.fail(R.ABORTED):
-                    self.raced[len(self.submits) - 1] = lc.request_id
-                    break
+            racer = threading.Thread(target=self._race_abort, args=(rid,))
+            racer.start()
+            racer.join()
         if behaviour.startswith("instant:"):
             self.resolve(op, behaviour.split(":", 1)[1])
             self.quiesce(op)
         return op.op
+
+    def _race_abort(self, rid: str) -> None:
+        for lc in reversed(self.lifecycles):
+            if lc.request_id != rid and lc.fail(R.ABORTED):
+                self.raced[len(self.submits) - 1] = lc.request_id
+                return
 
     def resolve(self, op: Op, outcome: str) -> None:
         make = OUTCOMES[outcome][0]
