@@ -6,8 +6,16 @@ Run it as is::
     python examples/serving_loop.py --backend mooncake   # a real decode process
 
 This is the shape of a prefill engine's scheduler step in vLLM or SGLang,
-reduced to what touches KV transfers. Each step:
+reduced to what touches KV transfers. The loop drives kvguard itself: the
+scheduler is built with ``driver="external"``, and its sans-I/O core
+advances only when the loop calls ``step()`` -- once per iteration, like
+vLLM's ``get_finished()`` or xLLM's scheduler step. (``--driver thread``
+runs the same loop with kvguard's own stepping thread instead.) Each step:
 
+0. ``step()``: apply what happened since the last step (completions,
+   quiescence, aborts), fire due deadlines and retries, start queued
+   transfers. It returns how soon it wants the next step: a loop that would
+   otherwise sleep longer (an idle engine) must come back by then;
 1. ``poll()``: collect the transfers that ended since the last step (vLLM's
    ``get_finished()``) and retire their requests -- DONE ones go on to
    decode, FAILED ones would be re-prefilled or reported to the client;
@@ -48,7 +56,7 @@ LAYOUT = KVLayout(num_layers=2, num_blocks=256, block_bytes=4096)
 
 class BlockPool:
     """The decode side's free destination blocks. Thread-safe: the serving
-    loop allocates, the scheduler's release thread frees."""
+    loop allocates, the scheduler's callback thread frees."""
 
     def __init__(self, num_blocks: int) -> None:
         self._lock = threading.Lock()
@@ -136,6 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--journal", action="store_true", help="print every state transition")
+    ap.add_argument(
+        "--driver",
+        choices=("external", "thread"),
+        default="external",
+        help="external: this loop steps the scheduler; thread: kvguard's own thread does",
+    )
     args = ap.parse_args(argv)
     # kvguard never configures logging; an application does. Its journal is one
     # structlog record per transition (debug), failures at warning level.
@@ -152,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     integrity_errors: list[str] = []
 
     def release(request_id: str, fin: Finished) -> None:
-        # Scheduler's release thread: terminal, and no engine call touches the
+        # The scheduler's callback thread: terminal, and no engine call touches the
         # blocks any more. Verify DONE transfers *before* the blocks can be
         # reused, then hand them back.
         srcs, dsts = blocks_of[request_id]
@@ -167,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_deadline_s=args.deadline,
         retry=RetryPolicy(max_attempts=3),
         release=release,
+        driver=args.driver,
     )
     outcomes: dict[str, Finished] = {}
     submitted: list[str] = []
@@ -175,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sched.add_peer(decode.peer)
         for step in range(args.steps):
+            # 0. Advance kvguard's core: this is the only place it runs.
+            if args.driver == "external":
+                sched.step()
+
             # 1. Retire what finished since the last step.
             for fin in sched.poll():
                 outcomes[fin.request_id] = fin
@@ -207,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(0.005)  # the model's forward pass for this step
 
         # Shut down gracefully: let in-flight transfers end (each has a deadline,
-        # so this is bounded), then collect the last outcomes.
+        # so this is bounded; with the external driver, drain() steps the core
+        # itself while it waits), then collect the last outcomes.
         drained = sched.drain(timeout=args.deadline + 10.0)
         for fin in sched.poll():
             outcomes[fin.request_id] = fin
@@ -220,7 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     states = Counter(f.state.name for f in outcomes.values())
     reasons = Counter(f.reason.name for f in outcomes.values() if f.reason is not None)
     non_terminal = len(set(submitted) - set(outcomes))
-    print(f"serving loop: backend={args.backend} steps={args.steps} requests={len(submitted)}")
+    print(
+        f"serving loop: backend={args.backend} steps={args.steps} requests={len(submitted)} "
+        f"driver={args.driver}"
+    )
     failed = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items())) or "none"
     print(f"  done: {states['DONE']}  failed: {states['FAILED']} ({failed})")
     print(f"  {abort_note}")
