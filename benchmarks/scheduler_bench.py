@@ -45,8 +45,7 @@ def _direct(n: int, prebuilt: bool = False) -> float:
         plan = build_plan(src, peer, [1], [2])
         t0 = time.perf_counter()
         ops: list[TransferOp] = [
-            backend.submit(plan if prebuilt else build_plan(src, peer, [1], [2]))
-            for _ in range(n)
+            backend.submit(plan if prebuilt else build_plan(src, peer, [1], [2])) for _ in range(n)
         ]
         for op in ops:
             op.result(timeout=30)
