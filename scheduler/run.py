@@ -73,6 +73,9 @@ class RunConfig:
     stuck_after_s: float | None = None  # warn about requests live for longer than this
     decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
     metadata: str = "P2PHANDSHAKE"  # the engine's metadata mode (transfer.metadata)
+    # How long an alive but unreachable decode side (a cut link) is asked again
+    # before its DONE requests count as unverified (scheduler.verify).
+    verify_retry_s: float = 30.0
 
     def check(self) -> None:
         problems = {
@@ -330,7 +333,9 @@ def _run(
     # that fails from then on is "decode gone", not a silent pass.
     decode_stopped = threading.Event()
 
-    verifier = Verifier(decode, SourceDigests(src), pool.free, decode_stopped)
+    verifier = Verifier(
+        decode, SourceDigests(src), pool.free, decode_stopped, retry_for_s=cfg.verify_retry_s
+    )
 
     def release(request_id: str, fin: Finished) -> None:
         src_blocks, dst_blocks = blocks_of.pop(request_id)
@@ -441,7 +446,7 @@ def _run(
         # Every release has queued its request by now; a verifier still busy
         # after this long leaves those requests out of the tally, and the
         # summary shows them as neither verified nor unverified.
-        verifier.close(timeout=max(10.0, 3 * cfg.deadline_s))
+        verifier.close(timeout=max(10.0, 3 * cfg.deadline_s) + cfg.verify_retry_s)
         if server is not None:
             server.close()
 

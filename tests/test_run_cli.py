@@ -191,6 +191,7 @@ def test_unanswered_verification_while_decode_alive_fails_the_job(
         block_bytes=1024,
         blocks_per_request=4,
         progress=False,
+        verify_retry_s=0.2,
     )
     summary = run_mod.run(cfg, out)
     assert (summary.done, summary.unverified, summary.unverified_alive) == (12, 0, 12)
