@@ -7,7 +7,8 @@ thread, an asyncio task (``run_async``) or the host's loop (``step``).
 ``kvguard`` (scheduler.cli) is the CLI.
 Observability (docs/observability.md): ``JsonlJournal`` writes the
 transition journal and ``read_journal`` replays it; ``register_metrics``
-exports Prometheus metrics; ``StuckInspector`` finds overdue live requests.
+exports Prometheus metrics; ``StuckInspector`` finds overdue live requests
+and long-quarantined ones.
 """
 
 from ._facade import Scheduler
@@ -29,7 +30,13 @@ from .errors import (
 )
 from .journal import JournalError, JsonlJournal, Replay, RequestTrace, read_journal
 from .metrics import MetricsServer, SchedulerCollector, register_metrics, serve_metrics
-from .stuck import StuckInspector, StuckRequest, stuck_requests
+from .stuck import (
+    QuarantinedRequest,
+    StuckInspector,
+    StuckRequest,
+    quarantined_requests,
+    stuck_requests,
+)
 
 __all__ = [
     "DEFAULT_PEER_LOST_AFTER_PROBES",
@@ -41,6 +48,7 @@ __all__ = [
     "JsonlJournal",
     "MetricsServer",
     "MetricsSnapshot",
+    "QuarantinedRequest",
     "ReleaseCallback",
     "Replay",
     "RequestTrace",
@@ -53,6 +61,7 @@ __all__ = [
     "StuckRequest",
     "UnknownPeer",
     "UnknownRequest",
+    "quarantined_requests",
     "read_journal",
     "register_metrics",
     "serve_metrics",

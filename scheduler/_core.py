@@ -393,6 +393,10 @@ class SchedulerCore:
         """(requests, bytes) terminal but not yet releasable; call under ``lock``."""
         return len(self._quarantine), self._quarantine.nbytes
 
+    def quarantined(self) -> list[Request]:
+        """The quarantined requests, oldest terminal first; call under ``lock``."""
+        return self._quarantine.held()
+
     def sizes(self) -> dict[str, int]:
         """Sizes of every container the core keeps (I8: bounded by live requests)."""
         with self._lock:

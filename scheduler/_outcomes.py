@@ -167,6 +167,22 @@ class Outcomes:
             if r.phase < Phase.FINISHED and not r.lc.is_terminal
         ]
 
+    def quarantined_entries(self) -> list[tuple[str, str, float, int, int]]:
+        """(request id, peer, terminal at on time.monotonic(), bytes, ops not
+        yet quiesced) of each quarantined request, oldest first."""
+        with self._core.lock:
+            reqs = self._core.quarantined()
+            return [
+                (
+                    r.request_id,
+                    r.peer,
+                    r.submitted + (r.finished.latency_s if r.finished else 0.0),
+                    r.plan.nbytes,
+                    r.unquiesced,
+                )
+                for r in reqs
+            ]
+
 
 def _bounded(deadline: float, timeout: float | None) -> float:
     left = deadline - time.monotonic() + _WAIT_GRACE_S

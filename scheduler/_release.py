@@ -36,6 +36,9 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._held)
 
+    def held(self) -> list[Request]:
+        return list(self._held)
+
     def hold(self, req: Request) -> None:
         req.phase = Phase.FINISHED
         self._held[req] = None

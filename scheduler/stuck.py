@@ -2,7 +2,10 @@
 
 Deadlines bound every request (I4), so "stuck" here means "live for longer
 than an operator expects", well before the deadline fails it: a frozen
-peer, a hung engine call, a starved worker pool. Two ways to use it:
+peer, a hung engine call, a starved worker pool. A terminal request whose
+blocks an engine call may still touch stays *quarantined* (not released)
+until the engine lets go; those older than the threshold are reported too
+(``quarantined_requests``). Two ways to use it:
 
     for s in stuck_requests(scheduler, older_than_s=2.0): ...   # ad hoc
 
@@ -27,7 +30,13 @@ from lifecycle import TransferState
 
 from ._facade import Scheduler
 
-__all__ = ["StuckInspector", "StuckRequest", "stuck_requests"]
+__all__ = [
+    "QuarantinedRequest",
+    "StuckInspector",
+    "StuckRequest",
+    "quarantined_requests",
+    "stuck_requests",
+]
 
 # How many stuck ids one warning names; the count covers the rest.
 _IDS_PER_WARNING = 10
@@ -39,6 +48,34 @@ class StuckRequest(NamedTuple):
     age_s: float  # since submit()
     attempt: int  # start() calls so far
     peer: str
+
+
+class QuarantinedRequest(NamedTuple):
+    """Terminal, but an engine call may still touch its blocks (not released)."""
+
+    request_id: str
+    peer: str
+    quarantined_s: float  # since it became terminal
+    nbytes: int
+    ops_running: int  # ops not yet quiesced
+
+
+def quarantined_requests(
+    scheduler: Scheduler, older_than_s: float = 0.0, *, now: float | None = None
+) -> list[QuarantinedRequest]:
+    """Requests quarantined for more than ``older_than_s``, oldest first.
+
+    A frozen peer keeps its requests' blocks here until the engine reports
+    the end of every entry; this is where an operator sees them.
+    """
+    now = time.monotonic() if now is None else now
+    out = [
+        QuarantinedRequest(rid, peer, now - since, nbytes, ops)
+        for rid, peer, since, nbytes, ops in scheduler.quarantined_entries()
+        if now - since > older_than_s
+    ]
+    out.sort(key=lambda q: q.quarantined_s, reverse=True)
+    return out
 
 
 def stuck_requests(
@@ -78,6 +115,8 @@ class StuckInspector:
         self._lock = threading.Lock()  # guards the two fields below
         self._last_warning: float | None = None  # clock() of the last warning
         self._suppressed = 0  # checks that found stuck requests since that warning
+        # What the last check found quarantined longer than older_than_s.
+        self.last_quarantined: list[QuarantinedRequest] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,7 +124,9 @@ class StuckInspector:
         """List stuck requests now; warn if any and the last warning is old enough."""
         now = self._clock()
         stuck = stuck_requests(self.scheduler, self.older_than_s, now=now)
-        if not stuck:
+        held = quarantined_requests(self.scheduler, self.older_than_s, now=now)
+        self.last_quarantined = held
+        if not stuck and not held:
             return stuck
         with self._lock:
             due = self._last_warning is None or now - self._last_warning >= self.warn_every_s
@@ -93,18 +134,31 @@ class StuckInspector:
                 self._suppressed += 1
                 return stuck
             suppressed, self._suppressed, self._last_warning = self._suppressed, 0, now
-        oldest = stuck[0]
+        detail: dict[str, Any] = {}
+        if stuck:
+            oldest = stuck[0]
+            detail.update(
+                oldest=oldest.request_id,
+                oldest_age_s=round(oldest.age_s, 3),
+                oldest_state=oldest.state.name,
+                oldest_attempt=oldest.attempt,
+                oldest_peer=oldest.peer,
+                request_ids=[s.request_id for s in stuck[:_IDS_PER_WARNING]],
+            )
+        if held:
+            detail.update(
+                quarantined=len(held),
+                quarantined_bytes=sum(q.nbytes for q in held),
+                oldest_quarantined=held[0].request_id,
+                oldest_quarantined_s=round(held[0].quarantined_s, 3),
+                quarantined_ids=[q.request_id for q in held[:_IDS_PER_WARNING]],
+            )
         self._log.warning(
             "stuck_requests",
             count=len(stuck),
             older_than_s=self.older_than_s,
-            oldest=oldest.request_id,
-            oldest_age_s=round(oldest.age_s, 3),
-            oldest_state=oldest.state.name,
-            oldest_attempt=oldest.attempt,
-            oldest_peer=oldest.peer,
-            request_ids=[s.request_id for s in stuck[:_IDS_PER_WARNING]],
             checks_since_last_warning=suppressed,
+            **detail,
         )
         return stuck
 

@@ -30,8 +30,10 @@ from scheduler import (
     RetryPolicy,
     Scheduler,
     SchedulerClosed,
+    StuckInspector,
     UnknownPeer,
     UnknownRequest,
+    quarantined_requests,
 )
 from scheduler._release import run_release
 from scheduler._requests import Request, Tombstone
@@ -1283,3 +1285,29 @@ def test_the_asyncio_driver_and_a_host_loop_drive_the_same_core(rig: Rig) -> Non
         assert host.drain(WAIT)
     finally:
         host.close()
+
+
+def test_the_stuck_inspector_reports_long_quarantined_requests(make_rig: MakeRig) -> None:
+    rig = make_rig([HANG])
+    lc = rig.submit("frozen", [0, 1], [0, 1], deadline_s=0.1)
+    assert lc.wait(WAIT) is _S.FAILED and lc.reason is FailureReason.TIMEOUT
+    assert wait_until(lambda: rig.sched.metrics().quarantined == 1)
+    time.sleep(0.1)
+    [q] = quarantined_requests(rig.sched, 0.05)
+    assert (q.request_id, q.peer, q.ops_running) == ("frozen", PEER, 1)
+    assert q.nbytes == 2 * LAYOUT.num_buffers * 64 and q.quarantined_s >= 0.05
+    logs: list[tuple[str, dict[str, object]]] = []
+
+    class Log:
+        def warning(self, event: str, **kw: object) -> None:
+            logs.append((event, kw))
+
+    inspector = StuckInspector(rig.sched, 0.05, logger=Log())
+    assert inspector.check() == []  # nothing live is stuck ...
+    assert [q.request_id for q in inspector.last_quarantined] == ["frozen"]
+    [(event, kw)] = logs  # ... but the quarantined request is reported
+    assert event == "stuck_requests" and kw["quarantined"] == 1
+    assert kw["oldest_quarantined"] == "frozen" and kw["count"] == 0
+    rig.faults.release_hangs()
+    assert rig.wait_released("frozen")
+    assert quarantined_requests(rig.sched) == []
