@@ -686,3 +686,14 @@ def test_engine_info_lines_are_quiet_unless_asked_for(flag: str | None, loud: bo
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = [line for line in proc.stderr.splitlines() if line.startswith("I")]
     assert bool(info) is loud, proc.stderr[-2000:]
+    if not loud:  # not even glog's preamble or the engine's ERROR-level start-up note
+        assert proc.stderr == "", proc.stderr[-2000:]
+
+
+def test_a_refused_start_keeps_the_engines_own_words() -> None:
+    from transfer.errors import RegistrationError
+    from transfer.mooncake import MooncakeBackend
+
+    with pytest.raises(RegistrationError, match="returned") as info:
+        MooncakeBackend("127.0.0.1:1", metadata="http://127.0.0.1:9/metadata")
+    assert "the engine said" in str(info.value)

@@ -8,11 +8,15 @@ the wheel.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import ipaddress
 import os
+import re
+import sys
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any, Final
 
@@ -97,6 +101,48 @@ def import_engine() -> ModuleType:
     return importlib.import_module("mooncake.engine")
 
 
+# A glog line ("E1202 17:56:57.717640 26389 file.cpp:1098] ...") or glog's
+# one-time preamble: what the engine prints to fd 2, bypassing MC_LOG_LEVEL
+# for its ERROR-level start-up notes.
+_GLOG_LINE: Final = re.compile(
+    rb"^(WARNING: Logging before InitGoogleLogging\(\)|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\])"
+)
+
+
+@contextlib.contextmanager
+def _engine_stderr() -> Iterator[list[str]]:
+    """Around engine start-up: keep the engine's glog lines off the terminal.
+
+    The engine writes them to file descriptor 2 from C++, so sys.stderr cannot
+    catch them: fd 2 points at a temporary file for the few milliseconds of
+    construction and initialize, then back. Whatever else was written there
+    meanwhile (another thread's output) is written back; the glog lines are
+    yielded to the caller, which shows them if the engine refused to start.
+    KVGUARD_ENGINE_LOG=1 leaves fd 2 alone.
+    """
+    glog: list[str] = []
+    if os.environ.get(ENGINE_LOG_ENV, "") in ("1", "true", "yes"):
+        yield glog
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield glog
+            finally:
+                os.dup2(saved, 2)
+            sink.seek(0)
+            for line in sink.read(1 << 20).splitlines(keepends=True):
+                if _GLOG_LINE.match(line):
+                    glog.append(line.decode(errors="replace"))
+                else:
+                    os.write(2, line)
+    finally:
+        os.close(saved)
+
+
 def _env_int(name: str, default: int, low: int) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -141,8 +187,11 @@ def make_engine(
                 "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S, MIN_TRANSFER_TIMEOUT_S
             )
             budget = engine_peer_budget()
-            engine = engine_module.TransferEngine()
-            rc = engine.initialize(local_ip, metadata, protocol, device_name)
+            with _engine_stderr() as captured:
+                engine = engine_module.TransferEngine()
+                rc = engine.initialize(local_ip, metadata, protocol, device_name)
+                if rc != 0:
+                    engine = None  # its destructor has more to say: capture that too
         finally:
             # Restoring keeps other engines' defaults.
             if saved is None:
@@ -150,9 +199,11 @@ def make_engine(
             else:
                 os.environ["MC_TRANSFER_TIMEOUT"] = saved
     if rc != 0:
+        said = "".join(captured[-5:])  # the engine's own words on why, kept when it fails
         raise RegistrationError(
             f"TransferEngine.initialize({local_ip!r}, {metadata!r}, {protocol!r}, "
-            f"{device_name!r}) returned {code_name(rc)}",
+            f"{device_name!r}) returned {code_name(rc)}"
+            + (f"; the engine said:\n{said}" if said else ""),
             peer=metadata,
             code=rc,
         )
