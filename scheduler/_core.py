@@ -322,6 +322,8 @@ class SchedulerCore:
     def _conclude(self, req: Request, op: TransferOp) -> bool:
         """The op has its result: complete, fail with its reason, or back off."""
         lc, err = req.lc, op.error
+        if lc.is_terminal:
+            return False  # ended elsewhere (abort, close) first: the result is moot
         if err is None:
             lc.complete()
             return False

@@ -49,7 +49,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lifecycle import TERMINAL, FailureReason, RequestLifecycle, TransferState
+from lifecycle import (
+    TERMINAL,
+    FailureReason,
+    Journal,
+    RequestLifecycle,
+    TransferState,
+    TransitionRecord,
+)
 from scheduler import _core, _deadlines
 from scheduler._core import SchedulerCore
 from scheduler._drivers import _contained
@@ -118,6 +125,7 @@ BEHAVIOURS = (
     "crash",
     "exit",
     "race_abort",  # hold, and another thread aborts the newest other live request meanwhile
+    "instant:engine",
     *(f"instant:{o}" for o in OUTCOMES),
 )
 SUBMIT_RAISES = {"crash": (RuntimeError, R.WORKER_CRASHED), "exit": (SystemExit, R.SHUTDOWN)}
@@ -135,6 +143,33 @@ class Op:
     resolved: bool = False
     quiesced: bool = False
     never: bool = False  # never quiesces until teardown
+
+
+COMPACT_MIN = 2  # compaction thresholds in the machine: 8 ids must exercise them
+
+
+class LogRecorder:
+    """Stands in for the core's structlog logger: what it logs is checked."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str, dict[str, object]]] = []
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        def log(event: str, **kw: object) -> None:
+            self.records.append((level, event, kw))
+
+        return log
+
+
+class CountingJournal(Journal):
+    """Counts the transition records the lifecycles hand the journal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def transition(self, request_id: str, rec: TransitionRecord) -> None:
+        self.count += 1
 
 
 class SimBackend(TransferBackend):
@@ -193,6 +228,9 @@ class SimBackend(TransferBackend):
         pass
 
 
+ErrSpec = BaseException | tuple[type[BaseException], str | None] | None
+
+
 @dataclass(eq=False)
 class M:
     """The model of one accepted request."""
@@ -216,6 +254,9 @@ class M:
     forgotten: bool = False
     plan: TransferPlan | None = None
     ops: list[Op] = field(default_factory=list)
+    error: ErrSpec = None  # what lc.error must be: None, that object, or (type, peer)
+    submitted: float = 0.0
+    mpeer: MPeer | None = None
 
     @property
     def terminal(self) -> bool:
@@ -226,6 +267,7 @@ class M:
 class MPeer:
     info: PeerInfo
     variant: int = 0
+    live: set[int] = field(default_factory=set)  # orders of its requests not yet released
     alive: bool = True
     failures: int = 0
 
@@ -236,13 +278,14 @@ class CoreMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.backend = SimBackend()
         self.deferred: deque[tuple[Callable[..., object], tuple[object, ...]]] = deque()
+        self.journal = CountingJournal()
         self.core = SchedulerCore(
             self.backend,
             max_in_flight=MAX_IN_FLIGHT,
             retry=RETRY,
             probe_interval_s=PROBE_S,
             peer_lost_after_probes=LOST_AFTER,
-            journal=None,
+            journal=self.journal,
             defer=lambda fn: self.deferred.append((fn, ())),
         )
         self.reqs: list[M] = []  # every accepted request, in acceptance order
@@ -260,35 +303,50 @@ class CoreMachine(RuleBasedStateMachine):
         self.double_expected = 0  # releases replayed on purpose (the detector must count them)
         # Small compaction thresholds, so that 8 ids exercise the compaction.
         self._thresholds = (_core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN)
-        _core._QUEUE_COMPACT_MIN = _deadlines._COMPACT_MIN = 4
+        _core._QUEUE_COMPACT_MIN = _deadlines._COMPACT_MIN = COMPACT_MIN
         self.violations: list[str] = []  # found inside callbacks, which must not raise
+        self.done_calls: dict[int, int] = {}  # id(lifecycle) -> user done-callback calls
+        self.crashes: list[M] = []  # requests whose backend.submit raised
+        self.expected_logs: list[tuple[str, str, tuple[tuple[str, object], ...]]] = []
+        self.logs = LogRecorder()
+        self._saved_log = _core._log
+        _core._log = self.logs
+        self.reported: list[M] = []
 
     @initialize()
     def start(self) -> None:
         for sid in PEERS:
             self.core.add_peer(peer_info(sid))
             self.peers[sid] = MPeer(peer_info(sid))
-        # Live requests from the start: two in flight (hung), one queued.
-        for i, rid in enumerate(("r5", "r6", "r7")):
-            self._submit(rid, PEERS[i % 2], 1, 2.0, 0, ["hold"], "none")
+        # Live requests from the start: one hung, one that the engine fails at
+        # once (non-retryable), one queued behind them.
+        for i, (rid, script) in enumerate(
+            (("r5", "hold"), ("r6", "instant:error"), ("r7", "hold"))
+        ):
+            self._submit(rid, PEERS[i % 2], 1, 2.0, 0, [script], "none")
 
     # -- the model ------------------------------------------------------------------
 
     def live(self) -> list[M]:
         return [m for m in self.reqs if not m.terminal]
 
-    def end(self, m: M, state: S, reason: R | None) -> None:
+    def end(self, m: M, state: S, reason: R | None, error: ErrSpec = None) -> None:
         if not m.terminal:
-            m.state, m.reason, m.phase, m.op = state, reason, "done", None
+            m.state, m.reason, m.phase, m.op, m.error = state, reason, "done", None, error
 
-    def lose(self, sid: str) -> None:
+    def lose(self, sid: str, error: ErrSpec) -> None:
         peer = self.peers.get(sid)
         if peer is None:
             return
+        if peer.alive:
+            self.expect_log("warning", "peer_lost", peer=sid, live_requests=len(peer.live))
         peer.alive = False
         for m in self.live():
             if m.peer == sid:
-                self.end(m, S.FAILED, R.PEER_LOST)
+                self.end(m, S.FAILED, R.PEER_LOST, error)
+
+    def expect_log(self, level: str, event: str, **kw: object) -> None:
+        self.expected_logs.append((level, event, tuple(sorted(kw.items()))))
 
     def attempt(self, m: M, round_done: list[M]) -> None:
         """The model of _start_attempt, for a queued or backing-off request."""
@@ -301,11 +359,12 @@ class CoreMachine(RuleBasedStateMachine):
         if raced is not None:
             victim = self.by_id[raced]
             assert not victim.terminal, f"{raced} aborted twice"
-            self.end(victim, S.FAILED, R.ABORTED)
+            self.end(victim, S.FAILED, R.ABORTED, None)
         m.attempt += 1
         m.state = S.TRANSFERRING
         if behaviour in SUBMIT_RAISES:
-            self.end(m, S.FAILED, SUBMIT_RAISES[behaviour][1])
+            self.end(m, S.FAILED, SUBMIT_RAISES[behaviour][1], (SUBMIT_RAISES[behaviour][0], None))
+            self.crashes.append(m)
             return
         assert op is not None
         m.phase = "running"
@@ -318,20 +377,21 @@ class CoreMachine(RuleBasedStateMachine):
         """The model of _conclude: the op of the current attempt has its result."""
         assert m.op is not None
         outcome = m.op.outcome
+        error = m.op.op.error
         _, reason, retryable = OUTCOMES[outcome]
         m.op = None
         if reason is None:
             self.end(m, S.DONE, None)
         elif reason is R.PEER_LOST:
-            self.lose(m.peer)
-            self.end(m, S.FAILED, R.PEER_LOST)
+            self.end(m, S.FAILED, R.PEER_LOST, error)
+            self.lose(m.peer, error)
         elif retryable and m.attempt < RETRY.max_attempts:
             m.state, m.phase = S.PENDING, "backoff"
             m.retry_at = self.now + RETRY.delay(m.attempt)
             self.retry_seq += 1
             m.retry_seq = self.retry_seq
         else:
-            self.end(m, S.FAILED, reason)
+            self.end(m, S.FAILED, reason, error)
 
     def model_step(self) -> None:
         now = self.now
@@ -347,7 +407,7 @@ class CoreMachine(RuleBasedStateMachine):
                     self.model_probe(str(a), bool(b))
             for m in self.live():
                 if m.deadline <= now:
-                    self.end(m, S.FAILED, R.TIMEOUT)
+                    self.end(m, S.FAILED, R.TIMEOUT, (TransferTimeout, m.peer))
             round_done: list[M] = []
             due = sorted(
                 (m for m in self.live() if m.phase == "backoff" and m.retry_at <= now),
@@ -381,11 +441,13 @@ class CoreMachine(RuleBasedStateMachine):
             return
         if ok:
             peer.failures = 0
+            if not peer.alive:
+                self.expect_log("info", "peer_alive", peer=sid)
             peer.alive = True
             return
         peer.failures += 1
         if peer.alive and peer.failures >= LOST_AFTER:
-            self.lose(sid)
+            self.lose(sid, (PeerLost, sid))
 
     # -- rules: submit ----------------------------------------------------------------
 
@@ -454,20 +516,22 @@ class CoreMachine(RuleBasedStateMachine):
         self.backend.script[rid] = deque(script)
         self.backend.lifecycles.append(req.lc)
         m = M(rid, peer, self.now + deadline_s, priority, len(self.reqs), list(script), req)
-        m.plan = plan
+        m.plan, m.submitted, m.mpeer = plan, self.now, self.peers[peer]
+        m.mpeer.live.add(m.order)
         self.reqs.append(m)
         self.by_id[rid] = m
         if not batches:
             m.attempt = 1
             self.end(m, S.DONE, None)
         elif not self.peers[peer].alive:
-            self.end(m, S.FAILED, R.PEER_LOST)
+            self.end(m, S.FAILED, R.PEER_LOST, (PeerUnreachable, peer))
         # A user's done-callback: deferred, never run inside step().
         req.lc.add_done_callback(self.user_done_callback)
 
     def user_done_callback(self, lc: RequestLifecycle) -> None:
         if self.in_step or not lc.is_terminal:
             self.violations.append(f"done-callback of {lc!r} ran inside step() or early")
+        self.done_calls[id(lc)] = self.done_calls.get(id(lc), 0) + 1
         if lc.request_id in ("r1", "r5"):
             raise SystemExit("a done-callback raising SystemExit")
         if lc.request_id == "r2":
@@ -494,7 +558,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(
         pick=st.integers(0, 100),
-        outcome=st.sampled_from(list(OUTCOMES)),
+        outcome=st.sampled_from(["ok", "engine", "engine", "backpressure", *OUTCOMES]),
         quiesce=st.sampled_from(["now", "now", "later", "never"]),
     )
     def resolve(self, pick: int, outcome: str, quiesce: str) -> None:
@@ -525,7 +589,7 @@ class CoreMachine(RuleBasedStateMachine):
             return
         won = m.req.lc.fail(R.ABORTED)
         assert won == (not m.terminal)
-        self.end(m, S.FAILED, R.ABORTED)
+        self.end(m, S.FAILED, R.ABORTED, None)
 
     @rule(peer=st.sampled_from(PEERS), go=st.integers(0, 3))
     def remove_peer(self, peer: str, go: int) -> None:
@@ -537,8 +601,9 @@ class CoreMachine(RuleBasedStateMachine):
             return
         victims = [m for m in self.live() if m.peer == peer]
         assert failed == len(victims)
+        self.expect_log("info", "peer_removed", peer=peer, live_requests=len(self.peers[peer].live))
         for m in victims:
-            self.end(m, S.FAILED, R.PEER_LOST)
+            self.end(m, S.FAILED, R.PEER_LOST, (PeerLost, peer))
         del self.peers[peer]
 
     @rule(peer=st.sampled_from(PEERS), variant=st.integers(0, 1))
@@ -553,24 +618,26 @@ class CoreMachine(RuleBasedStateMachine):
         victims = [m for m in self.live() if m.peer == peer] if old.info != info else []
         assert failed == len(victims)
         for m in victims:
-            self.end(m, S.FAILED, R.PEER_LOST)
+            self.end(m, S.FAILED, R.PEER_LOST, (PeerLost, peer))
         old.info, old.variant, old.alive, old.failures = info, variant, True, 0
 
     @rule(peer=st.sampled_from(PEERS), go=st.integers(0, 3))
     def mark_peer_lost(self, peer: str, go: int) -> None:
         if go:
             return
-        failed = self.core.lose_peer(peer, PeerLost("by hand", peer=peer))
+        error = PeerLost("by hand", peer=peer)
+        failed = self.core.lose_peer(peer, error)
         if peer not in self.peers:
             assert failed is None
             return
         assert failed == sum(m.peer == peer for m in self.live())
-        self.lose(peer)
+        self.lose(peer, error)
 
-    @rule(peer=st.sampled_from(PEERS), ok=st.sampled_from([True, False, True]))
-    def probe_result(self, peer: str, ok: bool) -> None:
-        self.core.probe_result(peer, None if ok else PeerUnreachable("no", peer=peer))
-        self.inbox.append(("probe", peer, ok))
+    @rule(peer=st.sampled_from(PEERS), results=st.lists(st.booleans(), min_size=1, max_size=3))
+    def probe_result(self, peer: str, results: list[bool]) -> None:
+        for ok in results:
+            self.core.probe_result(peer, None if ok else PeerUnreachable("no", peer=peer))
+            self.inbox.append(("probe", peer, ok))
 
     @precondition(lambda self: not self.closed)
     @rule(go=st.integers(0, 5))
@@ -581,7 +648,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.core.shutdown()
         self.closed = True
         for m in live:
-            self.end(m, S.FAILED, R.SHUTDOWN)
+            self.end(m, S.FAILED, R.SHUTDOWN, None)
 
     # -- rules: the driver --------------------------------------------------------------
 
@@ -611,6 +678,10 @@ class CoreMachine(RuleBasedStateMachine):
             assert m.reported == 1, f"I2: {m.rid} reported twice"
             assert (fin.state, fin.reason) == (m.state, m.reason), (fin, m.state, m.reason)
             assert fin.error is None or fin.error.__traceback__ is None
+            assert fin.error is m.req.lc.error and fin.attempt == m.attempt == m.req.lc.attempt
+            assert (fin.peer, fin.nbytes) == (m.peer, m.plan.nbytes if m.plan else -1)
+            assert fin.latency_s == pytest.approx(self.now - m.submitted)
+            self.reported.append(m)
         out = {r.request_id for r in res.releases} | {r.request_id for r in self.held}
         assert quiesced <= out, f"terminal and quiesced, not released: {quiesced - out}"
         for r in res.releases:
@@ -620,6 +691,21 @@ class CoreMachine(RuleBasedStateMachine):
                 self.run_release(r)
         for wake in res.wakers:
             wake()
+        done = [m for m in self.reported if m.state is S.DONE]
+        nbytes = sum(m.plan.nbytes for m in done if m.plan is not None)
+        assert (self.core.done, self.core.bytes_done) == (len(done), nbytes)
+        failed: dict[str, int] = {}
+        for m in self.reported:
+            if m.reason is not None:
+                failed[m.reason.name] = failed.get(m.reason.name, 0) + 1
+        assert {k: v for k, v in self.core.failed.items() if v} == failed
+        # The core says when it next needs a step: no later than any deadline
+        # or backoff of a live request.
+        due = [m.deadline for m in self.live()]
+        due += [m.retry_at for m in self.live() if m.phase == "backoff"]
+        if due:
+            assert res.next_at is not None and res.next_at <= min(due)
+            assert res.next_at > self.now
         # I4 exactly: at the first step at or after its deadline.
         for m in self.reqs:
             if m.deadline <= self.now and not m.forgotten:
@@ -632,6 +718,8 @@ class CoreMachine(RuleBasedStateMachine):
         m = self.by_id[r.request_id]
         m.forgotten = True
         del self.by_id[r.request_id]
+        assert m.mpeer is not None
+        m.mpeer.live.discard(m.order)
 
     @rule(hold=st.booleans())
     def hold_or_run_releases(self, hold: bool) -> None:
@@ -684,6 +772,20 @@ class CoreMachine(RuleBasedStateMachine):
             assert len(terminal) == (1 if m.terminal else 0), lc.history
             if terminal:
                 assert lc.history[-1] is terminal[0]
+        for m in self.reqs:
+            err, want = m.req.lc.error, m.error
+            if isinstance(want, tuple):
+                assert isinstance(err, want[0]), (m.rid, err, want)
+                assert want[1] is None or getattr(err, "peer", None) == want[1], (m.rid, err)
+            else:
+                assert err is want, (m.rid, err, want)
+        assert self.journal.count == sum(len(m.req.lc.history) for m in self.reqs)
+        logged = sorted(
+            (level, event, tuple(sorted(kw.items())))
+            for level, event, kw in self.logs.records
+            if event in ("peer_lost", "peer_removed", "peer_alive")
+        )
+        assert logged == sorted(self.expected_logs), (logged, self.expected_logs)
         assert self.core.checks.before_quiesce == 0
         assert self.core.checks.double == self.double_expected
         assert not self.violations, self.violations
@@ -709,6 +811,7 @@ class CoreMachine(RuleBasedStateMachine):
             self._wind_down()
         finally:
             _core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN = self._thresholds
+            _core._log = self._saved_log
 
     def _wind_down(self) -> None:
         # Every deadline passes (I4 for every request still live) ...
@@ -732,8 +835,20 @@ class CoreMachine(RuleBasedStateMachine):
         self.step()
         self.hold_or_run_releases(False)
         self.step()
+        self.run_callbacks(len(self.deferred) + 1)
+        while self.deferred:
+            self.run_callbacks(len(self.deferred))
         self.model_agrees()
         assert all(m.terminal and m.reported == 1 and m.released == 1 for m in self.reqs)
+        assert all(self.done_calls.get(id(m.req.lc)) == 1 for m in self.reqs), "done-callbacks"
+        crashed = [kw for _, event, kw in self.logs.records if event == "worker_crashed"]
+        assert len(crashed) == len(self.crashes)
+        for m, kw in zip(self.crashes, crashed, strict=True):
+            info = kw["exc_info"]
+            assert isinstance(info, tuple)
+            exc_type, exc, tb = info
+            assert kw["request_id"] == m.rid and exc is m.req.lc.error
+            assert exc_type is type(exc) and tb is not None
         assert len(self.core.table) == 0
         sizes = self.core.sizes()
         assert sizes == dict.fromkeys(sizes, 0), sizes
