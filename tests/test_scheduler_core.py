@@ -318,12 +318,14 @@ class CoreMachine(RuleBasedStateMachine):
         for sid in PEERS:
             self.core.add_peer(peer_info(sid))
             self.peers[sid] = MPeer(peer_info(sid))
-        # Live requests from the start: one hung, one that the engine fails at
-        # once (non-retryable), one queued behind them.
-        for i, (rid, script) in enumerate(
-            (("r5", "hold"), ("r6", "instant:error"), ("r7", "hold"))
-        ):
-            self._submit(rid, PEERS[i % 2], 1, 2.0, 0, [script], "none")
+        # Live requests from the start, so that every example reaches each exit
+        # path: one hung, one the engine fails at once (non-retryable), and
+        # queued behind them one whose submit crashes, one whose submit raises
+        # SystemExit, one during whose submit another thread aborts r7, and
+        # one that fails retryably, backs off and retries.
+        first = ("hold", "instant:error", "hold", "crash", "exit", "race_abort", "instant:engine")
+        for i, script in enumerate(first):
+            self._submit(f"r{7 - i}", PEERS[i % 2], 1, 2.0, 0, [script], "none")
 
     # -- the model ------------------------------------------------------------------
 
@@ -861,7 +863,7 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 TestCoreMachine = CoreMachine.TestCase
-TestCoreMachine.settings = settings(stateful_step_count=60)
+TestCoreMachine.settings = settings(max_examples=200, stateful_step_count=60)
 
 
 # -- seeded bugs ------------------------------------------------------------------------
