@@ -1311,3 +1311,23 @@ def test_the_stuck_inspector_reports_long_quarantined_requests(make_rig: MakeRig
     rig.faults.release_hangs()
     assert rig.wait_released("frozen")
     assert quarantined_requests(rig.sched) == []
+
+
+def test_peer_changes_reach_a_backend_that_tracks_peers(rig: Rig) -> None:
+    calls: list[tuple[str, str]] = []
+
+    class Tracking(Recorder):
+        def add_peer(self, info: PeerInfo) -> None:
+            calls.append(("add", info.session_id))
+
+        def remove_peer(self, session_id: str) -> None:
+            calls.append(("remove", session_id))
+
+    backend = Tracking(rig.faults, rig.owner)
+    sched = Scheduler(backend, rig.src)
+    try:
+        sched.add_peer(rig.info)
+        sched.remove_peer(PEER)
+        assert calls == [("add", PEER), ("remove", PEER)]
+    finally:
+        sched.close()
