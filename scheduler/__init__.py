@@ -11,32 +11,91 @@ exports Prometheus metrics; ``StuckInspector`` finds overdue live requests
 and long-quarantined ones.
 """
 
-from ._facade import Scheduler
-from ._records import (
-    DEFAULT_PEER_LOST_AFTER_PROBES,
-    Finished,
-    MetricsSnapshot,
-    ReleaseCallback,
-    RetryPolicy,
-)
-from .errors import (
-    DriverFailed,
-    DuplicateRequest,
-    InvalidRequest,
-    SchedulerClosed,
-    SchedulerError,
-    UnknownPeer,
-    UnknownRequest,
-)
-from .journal import JournalError, JsonlJournal, Replay, RequestTrace, read_journal
-from .metrics import MetricsServer, SchedulerCollector, register_metrics, serve_metrics
-from .stuck import (
-    QuarantinedRequest,
-    StuckInspector,
-    StuckRequest,
-    quarantined_requests,
-    stuck_requests,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): `kvguard --help`, `trace` and `diagram`
+# import this package but move no KV, so they must not pay for torch and the
+# engine that the facade pulls in. Name -> the module that defines it.
+_LAZY = {
+    "Scheduler": "._facade",
+    **dict.fromkeys(
+        (
+            "DEFAULT_PEER_LOST_AFTER_PROBES",
+            "Finished",
+            "MetricsSnapshot",
+            "ReleaseCallback",
+            "RetryPolicy",
+        ),
+        "._records",
+    ),
+    **dict.fromkeys(
+        (
+            "DriverFailed",
+            "DuplicateRequest",
+            "InvalidRequest",
+            "SchedulerClosed",
+            "SchedulerError",
+            "UnknownPeer",
+            "UnknownRequest",
+        ),
+        ".errors",
+    ),
+    **dict.fromkeys(
+        ("JournalError", "JsonlJournal", "Replay", "RequestTrace", "read_journal"), ".journal"
+    ),
+    **dict.fromkeys(
+        ("MetricsServer", "SchedulerCollector", "register_metrics", "serve_metrics"), ".metrics"
+    ),
+    **dict.fromkeys(
+        (
+            "QuarantinedRequest",
+            "StuckInspector",
+            "StuckRequest",
+            "quarantined_requests",
+            "stuck_requests",
+        ),
+        ".stuck",
+    ),
+}
+
+if TYPE_CHECKING:
+    from ._facade import Scheduler
+    from ._records import (
+        DEFAULT_PEER_LOST_AFTER_PROBES,
+        Finished,
+        MetricsSnapshot,
+        ReleaseCallback,
+        RetryPolicy,
+    )
+    from .errors import (
+        DriverFailed,
+        DuplicateRequest,
+        InvalidRequest,
+        SchedulerClosed,
+        SchedulerError,
+        UnknownPeer,
+        UnknownRequest,
+    )
+    from .journal import JournalError, JsonlJournal, Replay, RequestTrace, read_journal
+    from .metrics import MetricsServer, SchedulerCollector, register_metrics, serve_metrics
+    from .stuck import (
+        QuarantinedRequest,
+        StuckInspector,
+        StuckRequest,
+        quarantined_requests,
+        stuck_requests,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
 
 __all__ = [
     "DEFAULT_PEER_LOST_AFTER_PROBES",

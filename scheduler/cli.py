@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "listening and releases the engine. Exit status 0 after a clean stop, 2 if it "
         "cannot start.",
     )
-    from transfer.receiver import add_service_arguments
+    from transfer.service_args import add_service_arguments
 
     add_service_arguments(p)
     p.set_defaults(func=_cmd_decode)

@@ -5,32 +5,86 @@ backends (the real Mooncake engine, an in-process local one), typed errors
 and fault injection. Imports ``lifecycle`` only.
 """
 
-from .backend import Batch, PeerInfo, Region, TransferBackend, TransferOp, TransferPlan
-from .errors import (
-    BackendClosed,
-    Backpressure,
-    EngineError,
-    InvalidPlan,
-    PeerLost,
-    PeerProtocolError,
-    PeerUnreachable,
-    RegistrationError,
-    RemoteRangeRejected,
-    TransferCancelled,
-    TransferError,
-    TransferTimeout,
-)
-from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
-from .layout import KVCache, KVLayout
-from .local import LocalBackend
-from .mooncake import MooncakeBackend
-from .peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
-from .plan import (
-    DEFAULT_MAX_BATCH_ENTRIES,
-    MAX_BATCH_ENTRIES_LIMIT,
-    build_plan,
-    plan_entries_naive,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): torch and the engine load only when a
+# name that needs them is used, so torch-free submodules (errors, metadata,
+# service_args) and the commands that move no KV stay fast. Name -> module.
+_LAZY = {
+    "Batch": ".backend",
+    "PeerInfo": ".backend",
+    "Region": ".backend",
+    "TransferBackend": ".backend",
+    "TransferOp": ".backend",
+    "TransferPlan": ".backend",
+    "BackendClosed": ".errors",
+    "Backpressure": ".errors",
+    "EngineError": ".errors",
+    "InvalidPlan": ".errors",
+    "PeerLost": ".errors",
+    "PeerProtocolError": ".errors",
+    "PeerUnreachable": ".errors",
+    "RegistrationError": ".errors",
+    "RemoteRangeRejected": ".errors",
+    "TransferCancelled": ".errors",
+    "TransferError": ".errors",
+    "TransferTimeout": ".errors",
+    "DEFAULT_FAULT_KINDS": ".faults",
+    "Fault": ".faults",
+    "FaultInjectingBackend": ".faults",
+    "FaultKind": ".faults",
+    "FaultPlan": ".faults",
+    "KVCache": ".layout",
+    "KVLayout": ".layout",
+    "LocalBackend": ".local",
+    "MooncakeBackend": ".mooncake",
+    "block_digests": ".peer_protocol",
+    "peer_info_from_message": ".peer_protocol",
+    "peer_info_to_message": ".peer_protocol",
+    "DEFAULT_MAX_BATCH_ENTRIES": ".plan",
+    "MAX_BATCH_ENTRIES_LIMIT": ".plan",
+    "build_plan": ".plan",
+    "plan_entries_naive": ".plan",
+}
+
+if TYPE_CHECKING:
+    from .backend import Batch, PeerInfo, Region, TransferBackend, TransferOp, TransferPlan
+    from .errors import (
+        BackendClosed,
+        Backpressure,
+        EngineError,
+        InvalidPlan,
+        PeerLost,
+        PeerProtocolError,
+        PeerUnreachable,
+        RegistrationError,
+        RemoteRangeRejected,
+        TransferCancelled,
+        TransferError,
+        TransferTimeout,
+    )
+    from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
+    from .layout import KVCache, KVLayout
+    from .local import LocalBackend
+    from .mooncake import MooncakeBackend
+    from .peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
+    from .plan import (
+        DEFAULT_MAX_BATCH_ENTRIES,
+        MAX_BATCH_ENTRIES_LIMIT,
+        build_plan,
+        plan_entries_naive,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
 
 __all__ = [
     "DEFAULT_FAULT_KINDS",

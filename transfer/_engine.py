@@ -23,6 +23,7 @@ from typing import Any, Final
 import torch
 
 from .errors import EngineError, RegistrationError
+from .metadata import P2P_HANDSHAKE
 
 __all__ = [
     "DEFAULT_MAX_PEER_ENTRIES",
@@ -40,7 +41,6 @@ __all__ = [
     "make_engine",
 ]
 
-P2P_HANDSHAKE: Final = "P2PHANDSHAKE"
 MIN_TRANSFER_TIMEOUT_S: Final = 5  # the engine clamps MC_TRANSFER_TIMEOUT to at least this
 DEFAULT_TRANSFER_TIMEOUT_S: Final = 30
 # The TCP transport's per-peer limits (tcp_transport in the engine) and their defaults.

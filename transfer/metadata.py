@@ -24,14 +24,15 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Final
 
 import structlog
-
-from ._engine import P2P_HANDSHAKE
 
 __all__ = ["P2P_HANDSHAKE", "MetadataMode", "clear_stale", "metadata_keys", "mode_of"]
 
 _log = structlog.get_logger("kvguard.transfer")
+
+P2P_HANDSHAKE: Final = "P2PHANDSHAKE"  # the engine's own spelling: no metadata store
 
 
 class MetadataMode(enum.Enum):

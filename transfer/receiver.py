@@ -62,6 +62,7 @@ from .peer_protocol import (
     parse_request,
     peer_message_of,
 )
+from .service_args import add_service_arguments
 
 __all__ = ["Receiver", "ReceiverProcess", "add_service_arguments", "main", "run_service"]
 
@@ -130,34 +131,6 @@ if _HANDLERS.keys() != REPLY_OF.keys():  # a request without a handler fails at 
 
 
 # -- the service ----------------------------------------------------------------------
-
-
-def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``kvguard decode`` and ``python -m transfer.receiver``.
-
-    Defaults match ``kvguard run``'s, so the two fit without repeating them.
-    """
-    parser.add_argument(
-        "--listen",
-        required=True,
-        metavar="HOST:PORT",
-        help="control channel address (port 0: any free port), or an ipc:// path",
-    )
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--blocks", type=int, default=1024)
-    parser.add_argument("--block-bytes", type=int, default=8192)
-    parser.add_argument("--no-kv-split", action="store_true", help="one buffer per layer (MLA)")
-    parser.add_argument(
-        "--ip",
-        default=None,
-        metavar="ADDR",
-        help="the engine's address, told to peers (default: the --listen host, else 127.0.0.1)",
-    )
-    parser.add_argument("--metadata", default=P2P_HANDSHAKE, help="P2PHANDSHAKE or a server URL")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
-        "--exit-with-stdin", action="store_true", help="also stop when stdin closes"
-    )
 
 
 def _engine_ip(args: argparse.Namespace) -> str:
