@@ -27,6 +27,7 @@ from transfer import (
     FaultPlan,
     KVCache,
     KVLayout,
+    PeerInfo,
     TransferBackend,
     TransferOp,
     TransferPlan,
@@ -64,6 +65,14 @@ class Recorder(TransferBackend):
 
     def probe(self, peer: str) -> None:
         self.inner.probe(peer)
+
+    # A wrapper forwards peer changes: the engine writes only inside regions
+    # it was told about, and refuses plans to any other peer.
+    def add_peer(self, info: PeerInfo) -> None:
+        self.inner.add_peer(info)
+
+    def remove_peer(self, session_id: str) -> None:
+        self.inner.remove_peer(session_id)
 
     def close(self) -> None:  # the inner backends are closed by their owners
         pass
@@ -294,10 +303,18 @@ def test_frozen_decode_times_out_at_the_deadline_and_release_waits_for_the_engin
         assert all(rig.releases[f"r{i}"] == 0 for i in range(6))
         running = [op for i in range(6) for op in rig.backend.ops[f"r{i}"] if not op.quiesced]
         assert running, "no engine call was still running: test is vacuous"
-        # MC_TRANSFER_TIMEOUT=5 s, plus a bounded probe: then the calls return.
+        # Past the engine's own MC_TRANSFER_TIMEOUT (5 s) the engine may still
+        # write: a returned or timed-out call says nothing (issue 10). The
+        # blocks stay quarantined for as long as the peer is frozen...
+        assert not rig.sched.drain(timeout=6.0)
+        assert all(rig.releases[f"r{i}"] == 0 for i in range(6))
+        thawed = time.monotonic()
+        peer.thaw()  # ...and go back once the engine gives every entry its final status.
         assert rig.sched.drain(timeout=15.0)
         for i in range(6):
-            held = rig.released_at[f"r{i}"] - t0
-            assert held > 3.0, f"r{i} released {held:.2f}s after submit: before the engine returned"
+            held = rig.released_at[f"r{i}"] - thawed
+            assert held >= 0.0, (
+                f"r{i} released {-held:.2f}s before the thaw: the engine was not done"
+            )
         rig.check_i6(7)
         peer.kill()
