@@ -347,6 +347,7 @@ class SchedulerCore:
         if phase >= Phase.FINISHED or phase == Phase.NEW:
             return
         if phase == Phase.QUEUED:
+            req.phase = Phase.FINISHED  # first: the compaction drops this item too
             self._queue_stale += 1
             self._compact_queue()
         else:
