@@ -931,3 +931,247 @@ def test_the_state_machine_catches_seeded_bugs(bug: str, monkeypatch: pytest.Mon
 
 def test_the_clean_core_passes_the_same_seeds() -> None:
     assert not any(caught(n) for n in range(1, 4))
+
+
+# -- exact counters, queue bookkeeping, retries and probes, one scenario each -----------
+
+
+class Core:
+    """A core on SimBackend, stepped by hand on a simulated clock."""
+
+    def __init__(self, max_in_flight: int = 1, retry: RetryPolicy = RETRY) -> None:
+        self.now = 0.0
+        self.backend = SimBackend()
+        self.released: list[str] = []
+        self.core = SchedulerCore(
+            self.backend,
+            max_in_flight=max_in_flight,
+            retry=retry,
+            probe_interval_s=PROBE_S,
+            peer_lost_after_probes=1,
+            journal=None,
+            defer=lambda fn: fn(),
+        )
+        self.core.add_peer(peer_info("p0"))
+
+    def submit(
+        self, rid: str, *script: str, priority: int = 0, deadline_s: float = 10.0
+    ) -> Request:
+        plan = TransferPlan("p0", (Batch((0x10,), (0x1000,), (8,)),), 8, 1)
+        req = self.core.new_request(rid, plan, self.now, deadline_s, priority, None)
+        self.backend.owner[id(plan)] = rid
+        self.backend.script[rid] = deque(script)
+        self.core.accept(req, self.core.table.peer_info("p0"))
+        return req
+
+    def step(self, dt: float = 0.0) -> _core.StepResult:
+        self.now += dt
+        res = self.core.step(self.now)
+        self.released += [r.request_id for r in res.releases]
+        return res
+
+    def op_of(self, rid: str, n: int = -1) -> Op:
+        return [o for o in self.backend.ops if o.rid == rid][n]
+
+    def finish(self, rid: str, outcome: str = "ok", quiesce: bool = True) -> None:
+        op = self.op_of(rid)
+        self.backend.resolve(op, outcome)
+        if quiesce:
+            self.backend.quiesce(op)
+
+
+def test_done_and_failed_counters_add_up_over_requests() -> None:
+    c = Core(max_in_flight=4)
+    for rid in ("a", "b", "c", "d"):
+        c.submit(rid)
+    c.step()
+    c.finish("a")
+    c.finish("b")
+    c.finish("c", "error")
+    c.finish("d", "invalid")
+    res = c.step()
+    assert [f.request_id for f in res.finished] == ["a", "b", "c", "d"]
+    assert (c.core.done, c.core.bytes_done) == (2, 16)
+    assert c.core.failed == {"TRANSFER_ERROR": 1, "INVALID_REQUEST": 1}
+    assert c.released == ["a", "b", "c", "d"]
+    assert c.core._running == 0
+
+
+def test_in_flight_counter_admits_exactly_up_to_the_limit() -> None:
+    c = Core(max_in_flight=2)
+    reqs = [c.submit(f"r{i}") for i in range(5)]
+    c.step()
+    assert [s[0] for s in c.backend.submits] == ["r0", "r1"]
+    assert c.core._running == 2
+    c.finish("r0")
+    c.step()
+    assert [s[0] for s in c.backend.submits] == ["r0", "r1", "r2"]
+    assert c.core._running == 2
+    reqs[1].lc.fail(R.ABORTED)  # ended from another thread while running
+    c.step()
+    assert [s[0] for s in c.backend.submits] == ["r0", "r1", "r2", "r3"]
+    assert c.core._running == 2
+    reqs[4].lc.fail(R.ABORTED)  # ended while queued: frees no slot
+    c.step()
+    assert c.core._running == 2
+    assert len(c.backend.submits) == 4
+    c.finish("r2")
+    c.finish("r3")
+    c.step()
+    assert c.core._running == 0
+    assert c.core.sizes()["queue"] == 0
+
+
+def test_queue_stale_count_and_compaction_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "_QUEUE_COMPACT_MIN", 4)
+    c = Core(max_in_flight=1)
+    c.submit("run")
+    c.step()
+    queued = [c.submit(f"q{i}") for i in range(4)]
+    c.step()
+    assert (len(c.core._queue), c.core._queue_stale) == (4, 0)
+    sizes = []
+    for req in queued[:3]:
+        req.lc.fail(R.ABORTED)
+        c.step()
+        sizes.append((len(c.core._queue), c.core._queue_stale))
+    # 2 * stale must exceed the size (2 of 4 is not enough); 4 items is enough to compact.
+    assert sizes == [(4, 1), (4, 2), (1, 0)]
+    assert c.core.sizes()["queue"] == 1
+
+
+def test_admission_skips_stale_queue_items_and_counts_them_off() -> None:
+    c = Core(max_in_flight=1)
+    c.submit("run")
+    c.step()
+    first = c.submit("q0")
+    c.submit("q1")
+    c.submit("q2")
+    c.step()
+    first.lc.fail(R.ABORTED)
+    c.step()
+    assert (len(c.core._queue), c.core._queue_stale) == (3, 1)
+    c.finish("run")
+    c.step()
+    assert [s[0] for s in c.backend.submits] == ["run", "q1"]
+    assert (len(c.core._queue), c.core._queue_stale) == (1, 0)
+
+
+def test_three_retryable_failures_in_a_row_fail_on_the_third_attempt() -> None:
+    c = Core()
+    req = c.submit("r", "hold", "hold", "hold")
+    res = c.step()
+    assert res.next_at == 10.0  # the deadline; no backoff yet
+    c.finish("r", "engine")
+    res = c.step()
+    assert res.finished == []
+    assert res.next_at == pytest.approx(0.05)  # backoff 1: 0.05 s
+    assert c.core._running == 1
+    assert len(c.core._backoffs) == 1
+    res = c.step(0.049)
+    assert len(c.backend.submits) == 1
+    res = c.step(0.001)
+    assert len(c.backend.submits) == 2
+    assert req.lc.attempt == 2
+    c.finish("r", "engine")
+    res = c.step()
+    assert res.next_at == pytest.approx(0.05 + 0.1)  # backoff 2: 0.1 s
+    c.step(0.1)
+    assert len(c.backend.submits) == 3
+    assert req.lc.attempt == 3
+    c.finish("r", "engine")
+    res = c.step()
+    assert [(f.state, f.reason, f.attempt) for f in res.finished] == [
+        (S.FAILED, R.TRANSFER_ERROR, 3)
+    ]
+    assert len(c.backend.submits) == 3
+    assert c.core._running == 0
+    assert c.core.failed == {"TRANSFER_ERROR": 1}
+    assert res.next_at is None
+
+
+def test_two_retryable_failures_then_success_is_done_on_the_third_attempt() -> None:
+    c = Core()
+    req = c.submit("r")
+    c.step()
+    for _ in range(2):
+        c.finish("r", "backpressure")
+        c.step()
+        c.step(0.2)
+    c.finish("r")
+    res = c.step()
+    assert [(f.state, f.attempt) for f in res.finished] == [(S.DONE, 3)]
+    assert req.lc.attempt == 3
+    assert (c.core.done, c.core.bytes_done, c.core._running) == (1, 8, 0)
+
+
+def test_abort_in_backoff_frees_the_slot_and_the_backoff_timer() -> None:
+    c = Core(max_in_flight=1)
+    req = c.submit("r")
+    c.submit("next")
+    c.step()
+    c.finish("r", "engine")
+    c.step()
+    assert c.core._running == 1 and len(c.core._backoffs) == 1
+    req.lc.fail(R.ABORTED)
+    c.step()
+    assert c.core._running == 1  # "next" took the slot
+    assert [s[0] for s in c.backend.submits] == ["r", "next"]
+    c.step(1.0)  # the backoff's time passes: no second attempt of "r"
+    assert [s[0] for s in c.backend.submits] == ["r", "next"]
+
+
+def test_a_retry_while_the_previous_op_is_unquiesced_waits_for_both() -> None:
+    c = Core()
+    req = c.submit("r")
+    c.step()
+    first = c.op_of("r")
+    c.backend.resolve(first, "engine")  # failed, but the engine still holds the blocks
+    c.step()
+    c.step(0.05)
+    assert len(req.ops) == 2 and req.unquiesced == 2
+    c.finish("r")  # the retry succeeds and quiesces
+    res = c.step()
+    assert [(f.state, f.attempt) for f in res.finished] == [(S.DONE, 2)]
+    assert req.unquiesced == 1
+    assert res.releases == [] and c.released == []
+    assert c.core.quarantine() == (1, 8)
+    c.backend.quiesce(first)
+    res = c.step()
+    assert res.finished == [] and res.releases == [req]
+    assert req.unquiesced == 0
+    assert c.core.quarantine() == (0, 0)
+
+
+def test_probes_are_listed_once_per_interval_while_requests_are_live() -> None:
+    c = Core()
+    c.submit("r")
+    res = c.step(1.0)
+    assert res.probes == ["p0"]
+    assert res.next_at == 10.0  # the deadline; the probe is out
+    res = c.step(0.1)
+    assert res.probes == []
+    c.core.probe_result("p0", None)
+    res = c.step(0.1)
+    assert res.probes == []
+    assert res.next_at == pytest.approx(1.2 + PROBE_S)
+    res = c.step(PROBE_S - 0.01)
+    assert res.probes == []
+    res = c.step(0.01)
+    assert res.probes == ["p0"]
+    c.core.probe_result("p0", RuntimeError("down"))
+    res = c.step()
+    assert [(f.request_id, f.reason) for f in res.finished] == [("r", R.PEER_LOST)]
+    assert res.next_at == pytest.approx(1.7 + PROBE_S)  # a lost peer is still probed
+    c.finish("r")
+    res = c.step(PROBE_S)
+    assert res.probes == ["p0"]
+    c.core.probe_result("p0", None)
+    c.step()
+    assert c.core.table.peers.get("p0").alive  # type: ignore[union-attr]
+
+
+def test_no_peer_is_probed_without_live_requests() -> None:
+    c = Core()
+    res = c.step(5.0)
+    assert (res.probes, res.next_at) == ([], None)
