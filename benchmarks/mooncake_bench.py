@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from lifecycle import TransferState
-from scheduler import Finished, Scheduler
+from lifecycle import TERMINAL, TransferState
+from scheduler import Scheduler
 from transfer import KVCache, KVLayout, TransferPlan, build_plan, plan_entries_naive
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests
@@ -212,11 +212,6 @@ def _failure_detection() -> dict[str, float]:
             deadline = 30.0 if mode == "kill" else 1.0
             sched = Scheduler(backend, src, workers=8, default_deadline_s=deadline)
             ended: dict[str, float] = {}
-
-            def observe(fin: Finished, ended: dict[str, float] = ended) -> None:
-                ended.setdefault(fin.request_id, time.monotonic())
-
-            sched.add_observer(observe)
             try:
                 backend.add_peer(decode.peer)
                 sched.add_peer(decode.peer)
@@ -227,8 +222,7 @@ def _failure_detection() -> dict[str, float]:
                 sched.wait("warm")
                 ids = [f"{mode}-{i}" for i in range(8)]
                 submitted = time.monotonic()
-                for rid in ids:
-                    sched.submit(rid, blocks, blocks, peer=peer)
+                lcs = {rid: sched.submit(rid, blocks, blocks, peer=peer) for rid in ids}
                 time.sleep(0.01)  # let them reach the engine
                 t_signal = time.monotonic()
                 if mode == "kill":
@@ -237,11 +231,14 @@ def _failure_detection() -> dict[str, float]:
                     decode.freeze()
                 for rid in ids:
                     sched.wait(rid)
-                late = [rid for rid in ids if rid not in ended]
-                if late:
-                    raise RuntimeError(f"{late} not terminal after wait()")
+                # Observers run on the scheduler's callback thread, maybe after
+                # wait() returned: time the ending from the transition itself.
+                for rid, lc in lcs.items():
+                    if not lc.is_terminal:
+                        raise RuntimeError(f"{rid} not terminal after wait()")
+                    ended[rid] = next(h.at for h in lc.history if h.dest in TERMINAL)
                 if mode == "kill":
-                    failed = [ended[r] for r in ids if sched.get(r).state is TransferState.FAILED]
+                    failed = [ended[r] for r in ids if lcs[r].state is TransferState.FAILED]
                     out["dead_peer_detect_ms"] = round(1000 * (max(failed) - t_signal), 1)
                     out["dead_peer_failed"] = len(failed)
                 else:
