@@ -11,8 +11,9 @@ exports Prometheus metrics; ``StuckInspector`` finds overdue live requests
 and long-quarantined ones.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lifecycle._lazy import lazy_getattr
 
 # Imported on first use (PEP 562): `kvguard --help`, `trace` and `diagram`
 # import this package but move no KV, so they must not pay for torch and the
@@ -88,13 +89,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

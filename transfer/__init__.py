@@ -5,8 +5,9 @@ backends (the real Mooncake engine, an in-process local one), typed errors
 and fault injection. Imports ``lifecycle`` only.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lifecycle._lazy import lazy_getattr
 
 # Imported on first use (PEP 562): torch and the engine load only when a
 # name that needs them is used, so torch-free submodules (errors, metadata,
@@ -77,13 +78,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [
