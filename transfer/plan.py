@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from operator import attrgetter
 
 import torch
 
@@ -63,6 +64,8 @@ def build_plan(
     regions) naming the offending value; never returns a partial plan.
     """
     _validate(src, peer, src_blocks, dst_blocks, max_batch_entries)
+    if len(src_blocks) == 1:  # a tiny request: same plan, without sorting or coalescing
+        return _assemble_one(src, peer, src_blocks[0], dst_blocks[0], max_batch_entries)
     return _assemble(
         src, peer, _coalesce(src_blocks, dst_blocks), len(src_blocks), max_batch_entries
     )
@@ -176,7 +179,7 @@ def _check_peer_regions(peer: PeerInfo, lo_blk: int, hi_blk: int, blocks: Sequen
     Fast path: the span from the lowest to the highest block of a buffer fits
     in one region. Otherwise check block by block, which is exact.
     """
-    regions = sorted(peer.regions, key=lambda r: r.base)
+    regions = sorted(peer.regions, key=_base)
     starts = [r.base for r in regions]
     size = peer.layout.block_bytes
     for i, base in enumerate(peer.block_base):
@@ -190,6 +193,9 @@ def _check_peer_regions(peer: PeerInfo, lo_blk: int, hi_blk: int, blocks: Sequen
                     f"lies outside the regions peer {peer.session_id} advertised",
                     peer=peer.session_id,
                 )
+
+
+_base = attrgetter("base")
 
 
 def _find_region(regions: list[Region], starts: list[int], addr: int, length: int) -> bool:
@@ -250,3 +256,24 @@ def _assemble(
     )
     nbytes = num_blocks * size * src.layout.num_buffers
     return TransferPlan(peer=peer.session_id, batches=batches, nbytes=nbytes, num_blocks=num_blocks)
+
+
+def _assemble_one(
+    src: KVCache, peer: PeerInfo, src_blk: int, dst_blk: int, max_batch_entries: int
+) -> TransferPlan:
+    """``_assemble`` for one validated pair: one entry per buffer."""
+    size = src.layout.block_bytes
+    s, d = src_blk * size, dst_blk * size
+    src_addr = tuple([b + s for b in src.buffer_bases()])
+    dst_addr = tuple([b + d for b in peer.block_base])
+    lengths = (size,) * len(src_addr)
+    m = max_batch_entries
+    if len(lengths) <= m:
+        batches: tuple[Batch, ...] = (Batch(src_addr, dst_addr, lengths),)
+    else:
+        batches = tuple(
+            Batch(src_addr[i : i + m], dst_addr[i : i + m], lengths[i : i + m])
+            for i in range(0, len(lengths), m)
+        )
+    nbytes = size * src.layout.num_buffers
+    return TransferPlan(peer=peer.session_id, batches=batches, nbytes=nbytes, num_blocks=1)
