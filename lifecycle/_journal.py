@@ -41,6 +41,13 @@ _LEVEL: dict[TransferState, str] = {
     TransferState.FAILED: "warning",
 }
 
+# Enum .name/.value are Python-level properties: look them up in C instead.
+_NAME: dict[TransferState | FailureReason | None, str | None] = {
+    None: None,
+    **{m: m.name for m in TransferState},
+    **{m: m.name for m in FailureReason},
+}
+
 
 class Journal:
     """Where transition records go. Share one per scheduler.
@@ -69,9 +76,9 @@ class Journal:
             getattr(self._logger, _LEVEL[rec.dest])(
                 rec.event.value,
                 request_id=request_id,
-                source=rec.source.name,
-                dest=rec.dest.name,
-                reason=rec.reason.name if rec.reason is not None else None,
+                source=_NAME[rec.source],
+                dest=_NAME[rec.dest],
+                reason=_NAME[rec.reason],
                 attempt=rec.attempt,
                 ts=time.time(),
             )

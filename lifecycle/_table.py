@@ -39,6 +39,10 @@ __all__ = [
 
 
 class TransferState(enum.Enum):
+    # Members are singletons compared by identity: hash them in C too (Enum's
+    # own __hash__ is a Python call, paid several times per transition).
+    __hash__ = object.__hash__
+
     PENDING = "PENDING"
     TRANSFERRING = "TRANSFERRING"
     DONE = "DONE"
@@ -54,6 +58,8 @@ class Event(str, enum.Enum):
 
 class FailureReason(enum.Enum):
     """Why a request ended FAILED. The first cause wins (invariant I2)."""
+
+    __hash__ = object.__hash__  # as TransferState
 
     TRANSFER_ERROR = "transfer_error"  # the engine reported a failure
     PEER_LOST = "peer_lost"  # the decode peer is dead or unreachable
