@@ -206,14 +206,13 @@ class SchedulerCore:
             finished, self._finished = self._finished, []
             releases, self._releases = self._releases, []
             reported, self._reported = self._reported, []
-            times = [
-                t for t in (self._deadlines.next_due(), self._backoffs.next_due()) if t is not None
-            ]
-            if probe_at is not None:
-                times.append(probe_at)
+            next_at = probe_at
+            for t in (self._deadlines.next_due(), self._backoffs.next_due()):
+                if t is not None and (next_at is None or t < next_at):
+                    next_at = t
             self._owner = None
         wakers = table.report(reported) if reported else []
-        return StepResult(finished, releases, probes, wakers, min(times) if times else None)
+        return StepResult(finished, releases, probes, wakers, next_at)
 
     # -- inbox handlers (step only) -------------------------------------------------
 
@@ -314,9 +313,9 @@ class SchedulerCore:
         req.op = op
         req.ops.append(op)
         post = self.table.post
-        op.add_quiesce_callback(lambda o: post(self._on_op_quiesced, req, o))
+        op.add_quiesce_callback(partial(post, self._on_op_quiesced, req))
         req.unquiesced += 1
-        op.add_done_callback(lambda o: post(self._on_op_done, req, o))
+        op.add_done_callback(partial(post, self._on_op_done, req))
         return True
 
     def _conclude(self, req: Request, op: TransferOp) -> bool:
