@@ -50,6 +50,9 @@ class TransferState(enum.Enum):
 
 
 class Event(str, enum.Enum):
+    # Equal to its value, so hashed as its value (and in C, unlike Enum's).
+    __hash__ = str.__hash__
+
     START = "start"
     COMPLETE = "complete"
     RETRY = "retry"
