@@ -955,13 +955,18 @@ class Core:
         self.core.add_peer(peer_info("p0"))
 
     def submit(
-        self, rid: str, *script: str, priority: int = 0, deadline_s: float = 10.0
+        self,
+        rid: str,
+        *script: str,
+        priority: int = 0,
+        deadline_s: float = 10.0,
+        peer: str = "p0",
     ) -> Request:
-        plan = TransferPlan("p0", (Batch((0x10,), (0x1000,), (8,)),), 8, 1)
+        plan = TransferPlan(peer, (Batch((0x10,), (0x1000,), (8,)),), 8, 1)
         req = self.core.new_request(rid, plan, self.now, deadline_s, priority, None)
         self.backend.owner[id(plan)] = rid
         self.backend.script[rid] = deque(script)
-        self.core.accept(req, self.core.table.peer_info("p0"))
+        self.core.accept(req, self.core.table.peer_info(peer))
         return req
 
     def step(self, dt: float = 0.0) -> _core.StepResult:
@@ -1175,3 +1180,52 @@ def test_no_peer_is_probed_without_live_requests() -> None:
     c = Core()
     res = c.step(5.0)
     assert (res.probes, res.next_at) == ([], None)
+
+
+def test_errors_name_the_cause_exactly() -> None:
+    c = Core(max_in_flight=3)
+    c.core.add_peer(peer_info("p1"))
+    late = c.submit("late", deadline_s=1.0)
+    c.step()
+    c.step(1.0)
+    assert late.lc.reason is R.TIMEOUT
+    assert (
+        str(late.lc.error)
+        == "request 'late' missed its deadline (in state TRANSFERRING, attempt 1)"
+    )
+    assert c.core._deadlines._stale == 0  # a fired deadline is popped, not discarded
+    probed = c.submit("probed")
+    c.step()
+    c.core.probe_result("p0", RuntimeError("refused"))
+    c.step()
+    assert probed.lc.reason is R.PEER_LOST
+    assert str(probed.lc.error) == "probe failed: refused"
+    c.core.probe_result("p0", None)
+    c.step()
+    removed = c.submit("removed")
+    c.step()
+    assert c.core.remove_peer("p0") == 1
+    assert str(removed.lc.error) == "peer p0 was removed"
+
+
+def test_a_request_ended_elsewhere_finishes_where_the_core_first_sees_it() -> None:
+    c = Core(max_in_flight=3)
+    c.core.add_peer(peer_info("p1"))
+    lost = c.submit("lost")
+    ended = c.submit("ended", peer="p1")
+    c.submit("other", peer="p1")
+    c.step()
+    # Inbox: p0's probe fails, "ended" gets its result, "other" its, then two aborts.
+    c.core.probe_result("p0", RuntimeError("down"))
+    c.finish("ended")
+    c.finish("other")
+    ended.lc.fail(R.ABORTED)
+    lost.lc.fail(R.ABORTED)
+    res = c.step()
+    # "lost" ends where the lost peer is seen (not at its abort, last in the
+    # inbox); "ended" at its op result (the result is moot: it was aborted).
+    assert [(f.request_id, f.reason) for f in res.finished] == [
+        ("lost", R.ABORTED),
+        ("ended", R.ABORTED),
+        ("other", None),
+    ]
