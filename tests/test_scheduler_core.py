@@ -1229,3 +1229,36 @@ def test_a_request_ended_elsewhere_finishes_where_the_core_first_sees_it() -> No
         ("ended", R.ABORTED),
         ("other", None),
     ]
+
+
+def test_timer_stale_counts_are_exact() -> None:
+    c = Core(max_in_flight=3)
+    c.submit("first", deadline_s=5.0)  # stays live: its deadline keeps the heap's top live
+    c.submit("a", deadline_s=20.0)
+    b = c.submit("b")
+    c.step()
+    c.finish("a")  # finished while RUNNING: its deadline goes stale, no backoff does
+    c.step()
+    assert (len(c.core._deadlines), c.core._deadlines._stale) == (3, 1)
+    assert (len(c.core._backoffs), c.core._backoffs._stale) == (0, 0)
+    c.finish("b", "engine")
+    c.step()
+    assert (len(c.core._backoffs), c.core._backoffs._stale) == (1, 0)
+    b.lc.fail(R.ABORTED)  # finished in BACKOFF: both its timers go stale
+    c.step()
+    assert (len(c.core._deadlines), c.core._deadlines._stale) == (3, 2)
+    assert (len(c.core._backoffs), c.core._backoffs._stale) == (0, 0)  # dropped from the top
+
+
+def test_a_worker_body_that_returns_without_an_ending_fails_worker_exited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(SchedulerCore, "_work", lambda self, req: False)
+    c = Core()
+    req = c.submit("r")
+    res = c.step()
+    assert [(f.request_id, f.state, f.reason) for f in res.finished] == [
+        ("r", S.FAILED, R.WORKER_EXITED)
+    ]
+    assert req.lc.reason is R.WORKER_EXITED
+    assert c.core._running == 0
