@@ -1262,3 +1262,23 @@ def test_a_worker_body_that_returns_without_an_ending_fails_worker_exited(
     ]
     assert req.lc.reason is R.WORKER_EXITED
     assert c.core._running == 0
+
+
+def test_the_core_posts_nothing_for_its_own_endings_and_forgets_their_deadlines() -> None:
+    c = Core()
+    c.core.add_peer(peer_info("p1"))
+    req = c.submit("r")
+    c.step()
+    c.backend.resolve(c.op_of("r"), "ok")  # done, not quiesced: quarantined
+    wakes: list[int] = []
+    c.core.table.wake = lambda: wakes.append(1)
+    res = c.step()
+    assert [f.request_id for f in res.finished] == ["r"] and res.releases == []
+    assert wakes == [] and len(c.core.table.inbox) == 0  # ended inside the step: no post
+    assert len(c.core._deadlines) == 0  # a quarantined request's deadline is no timer
+    assert res.next_at is None  # no timer left; its peer's probe is out
+    other = c.submit("other", peer="p1")
+    c.step()
+    c.core.add_peer(peer_info("p1", variant=1))
+    assert str(other.lc.error) == "peer p1 was replaced"
+    assert req.lc.state is S.DONE
