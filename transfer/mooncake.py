@@ -45,6 +45,7 @@ module is, so ``transfer`` imports on hosts without the wheel.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import threading
 from collections.abc import Callable, Mapping
@@ -452,7 +453,11 @@ class MooncakeBackend(TransferBackend):
             held = len(self._live)
             probes = len(self._probes)
         if loop.thread.is_alive() or probes:
-            _ABANDONED.append((engine, caches, loop))
+            kept = (engine, caches, loop)
+            _ABANDONED.append(kept)
+            # Immortal: interpreter shutdown clears module globals, which would
+            # run the engine's destructor under threads still using it.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
             _log.warning(
                 "engine_memory_kept",
                 session=self._session_id,
