@@ -468,6 +468,9 @@ def _run(
         summary.cpu_s_per_gb = round(cpu / (metrics.bytes_done / 1e9), 3)
     engine = getattr(inner, "engine", None)
     if engine is not None and done_blocks and not decode_stopped.is_set():
+        # Every request has been released and verified: the replay writes the
+        # same bytes again into blocks no request holds, so a sync call that
+        # returns before the engine is done with them can corrupt nothing.
         plans = [build_plan(src, decode.peer, s, d) for s, d in done_blocks]
         raw = replay_raw(engine, plans, cfg.workers)
         if raw.failed_calls == 0:

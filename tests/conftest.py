@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
+import pytest
 import structlog
 from hypothesis import HealthCheck, settings
 
@@ -23,6 +26,17 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 # The library never configures structlog; the test suite is an application
 # and keeps transition records out of the output unless a test captures them.
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+
+
+@pytest.fixture
+def all_levels() -> Iterator[None]:
+    """Let every level through for ``structlog.testing.capture_logs``."""
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(wrapper_class=old)
 
 
 # The suite deliberately leaves engines alive that may still touch their

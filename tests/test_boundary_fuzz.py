@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
-import structlog
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
@@ -611,17 +609,6 @@ def test_wildcard_addresses_are_recognised(address: str, wildcard: bool) -> None
     from transfer.mooncake import is_wildcard
 
     assert is_wildcard(address) is wildcard
-
-
-@pytest.fixture
-def all_levels() -> Iterator[None]:
-    """conftest filters below ERROR; let warnings through for capture_logs."""
-    old = structlog.get_config()["wrapper_class"]
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        yield
-    finally:
-        structlog.configure(wrapper_class=old)
 
 
 @requires_mooncake

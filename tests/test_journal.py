@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,17 +28,6 @@ from lifecycle import (
 )
 
 KEYS = {"event", "request_id", "source", "dest", "reason", "attempt", "ts", "log_level"}
-
-
-@pytest.fixture
-def all_levels() -> Iterator[None]:
-    """conftest filters below ERROR; let every level through for capture_logs."""
-    old = structlog.get_config()["wrapper_class"]
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        yield
-    finally:
-        structlog.configure(wrapper_class=old)
 
 
 def test_one_record_per_transition(all_levels: None) -> None:

@@ -8,7 +8,6 @@ and ask for per-block sha256 digests. No engine call is mocked.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import random
 import subprocess
@@ -19,7 +18,6 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-import structlog
 from mooncake_helpers import (
     PREFILL_TRANSFER_TIMEOUT_S,
     assert_intact,
@@ -90,17 +88,6 @@ def src1(backend: MooncakeBackend) -> KVCache:
 def shared_peer(backend: MooncakeBackend) -> Iterator[ReceiverProcess]:
     with receiver(LAYOUT, backend) as proc:
         yield proc
-
-
-@pytest.fixture
-def all_levels() -> Iterator[None]:
-    """conftest filters below ERROR; let warnings through for capture_logs."""
-    old = structlog.get_config()["wrapper_class"]
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        yield
-    finally:
-        structlog.configure(wrapper_class=old)
 
 
 @pytest.fixture
