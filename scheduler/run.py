@@ -16,28 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import random
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TextIO
 
-import structlog
 from prometheus_client import CollectorRegistry
 
 from lifecycle import FailureReason, TransferState
-from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
+from transfer import KVCache, KVLayout, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
-from transfer.local import LocalBackend
-from transfer.metadata import mode_of
-from transfer.peer_protocol import block_digest_bytes
 from transfer.plan import build_plan
 
+from ._run_decode import Decode, RegisterSource, make_decode
+from ._run_progress import Progress
+from ._run_records import RunConfig, RunSummary, print_summary
 from ._scheduler import Finished, RetryPolicy, Scheduler
 from .journal import JsonlJournal
 from .metrics import MetricsServer, register_metrics, serve_metrics
@@ -47,238 +42,9 @@ from .trace import percentiles
 from .verify import SourceDigests, Verifier
 from .workload import BlockAllocator
 
+# RunConfig and RunSummary live in scheduler._run_records; callers import
+# them from here, the job's public entry point.
 __all__ = ["RunConfig", "RunSummary", "run"]
-
-
-@dataclass(frozen=True, slots=True)
-class RunConfig:
-    requests: int = 200
-    backend: str = "mooncake"  # "mooncake" | "local"
-    seed: int = 0
-    deadline_s: float = 5.0
-    workers: int = 4
-    fault_rate: float = 0.0
-    kill_decode_after: int | None = None
-    freeze_decode_after: int | None = None
-    layers: int = 8
-    blocks: int = 1024  # per side
-    block_bytes: int = 8192
-    blocks_per_request: int = 16
-    fragmentation: float = 0.0  # see scheduler.workload: 0 a serving free list, 1 scattered
-    max_attempts: int = 3
-    json_path: Path | None = None
-    progress: bool = True
-    journal_path: Path | None = None  # JSON lines, one per transition (scheduler.journal)
-    metrics_port: int | None = None  # serve /metrics on 127.0.0.1 while running; 0: any port
-    stuck_after_s: float | None = None  # warn about requests live for longer than this
-    decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
-    metadata: str = "P2PHANDSHAKE"  # the engine's metadata mode (transfer.metadata)
-    # How long an alive but unreachable decode side (a cut link) is asked again
-    # before its DONE requests count as unverified (scheduler.verify).
-    verify_retry_s: float = 30.0
-
-    def check(self) -> None:
-        problems = {
-            "--requests": self.requests >= 1,
-            "--deadline": self.deadline_s > 0,
-            "--workers": self.workers >= 1,
-            "--fault-rate": 0.0 <= self.fault_rate <= 1.0,
-            "--kill-decode-after": self.kill_decode_after is None or self.kill_decode_after >= 0,
-            "--freeze-decode-after": self.freeze_decode_after is None
-            or self.freeze_decode_after >= 0,
-            "--blocks-per-request": 1 <= self.blocks_per_request <= self.blocks,
-            "--fragmentation": 0.0 <= self.fragmentation <= 1.0,
-            "--metrics-port": self.metrics_port is None or 0 <= self.metrics_port <= 65535,
-            "--stuck-after": self.stuck_after_s is None or self.stuck_after_s > 0,
-        }
-        bad = [name for name, ok in problems.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid value for {', '.join(bad)}")
-        if self.backend not in ("mooncake", "local"):
-            raise ValueError(f"--backend must be mooncake or local, got {self.backend!r}")
-        mode_of(self.metadata)  # a ValueError naming an unknown scheme
-        if self.backend == "local" and self.metadata != "P2PHANDSHAKE":
-            raise ValueError("--metadata needs --backend mooncake")
-        if self.decode is not None:
-            # A remote service is not ours to kill or freeze.
-            clash = {
-                "--backend local": self.backend == "local",
-                "--kill-decode-after": self.kill_decode_after is not None,
-                "--freeze-decode-after": self.freeze_decode_after is not None,
-            }
-            bad = [name for name, on in clash.items() if on]
-            if bad:
-                raise ValueError(f"--decode cannot be combined with {', '.join(bad)}")
-
-
-@dataclass(slots=True)
-class RunSummary:
-    requests: int
-    done: int = 0
-    failed: int = 0
-    non_terminal: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    integrity_errors: int = 0
-    # DONE, but the decode side could not answer. Tolerated only after the run
-    # itself killed or froze it (`unverified`); while it is alive, an
-    # unanswered verification means nothing was checked: the job fails.
-    unverified: int = 0
-    unverified_alive: int = 0
-    verified: int = 0  # DONE and byte-identical to the source
-    released_before_quiesce: int = 0
-    p50_ms: float = 0.0
-    p99_ms: float = 0.0
-    gbps: float = 0.0
-    wall_s: float = 0.0
-    cpu_s_per_gb: float = 0.0  # this process's CPU seconds (all threads) per GB moved
-    # The raw engine on the same entries in the same run (scheduler.raw_baseline);
-    # None where there is no engine to compare with (local backend, decode stopped).
-    raw_gbps: float | None = None
-    raw_cpu_s_per_gb: float | None = None
-
-    def ok(self) -> list[str]:
-        """What broke; empty when the run upheld every invariant."""
-        broken = []
-        if self.non_terminal:
-            broken.append(f"{self.non_terminal} requests never reached a terminal state")
-        if self.integrity_errors:
-            broken.append(f"{self.integrity_errors} DONE requests have corrupt destination blocks")
-        lost = self.done - self.verified - self.integrity_errors - self.unverified
-        if lost - self.unverified_alive > 0:
-            broken.append(f"{lost - self.unverified_alive} DONE requests never got a verdict")
-        if self.unverified_alive:
-            broken.append(
-                f"{self.unverified_alive} DONE requests were not verified"
-                " while the decode side was alive"
-            )
-        if self.released_before_quiesce:
-            broken.append(f"{self.released_before_quiesce} releases happened before quiesce")
-        return broken
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "done": self.done,
-            "failed": self.failed,
-            "non_terminal": self.non_terminal,
-            "by_reason": self.by_reason,
-            "integrity_errors": self.integrity_errors,
-            "unverified": self.unverified,
-            "unverified_alive": self.unverified_alive,
-            "verified": self.verified,
-            "released_before_quiesce": self.released_before_quiesce,
-            "p50_ms": self.p50_ms,
-            "p99_ms": self.p99_ms,
-            "gbps": self.gbps,
-            "wall_s": self.wall_s,
-            "cpu_s_per_gb": self.cpu_s_per_gb,
-            "raw_gbps": self.raw_gbps,
-            "raw_cpu_s_per_gb": self.raw_cpu_s_per_gb,
-        }
-
-
-class Decode(Protocol):
-    """The decode side as the run sees it: a peer to write to and to verify."""
-
-    peer: PeerInfo
-
-    def digests(self, blocks: list[int]) -> bytes | None:
-        """Digests of destination blocks (scheduler.verify); None if it cannot answer."""
-
-    def kill(self) -> None: ...
-
-    def freeze(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _LocalDecode:
-    """Decode side inside this process, on the LocalBackend."""
-
-    def __init__(self, backend: LocalBackend, layout: KVLayout) -> None:
-        self._backend = backend
-        self._cache = KVCache(layout)
-        self.peer = backend.register_peer("local-decode", self._cache)
-        self._dead = False
-
-    def digests(self, blocks: list[int]) -> bytes | None:
-        return None if self._dead else block_digest_bytes(self._cache, blocks)
-
-    def kill(self) -> None:
-        self._dead = True
-        self._backend.unregister_peer(self.peer.session_id)
-
-    def freeze(self) -> None:
-        raise ValueError("--freeze-decode-after needs --backend mooncake")
-
-    def close(self) -> None:
-        pass
-
-
-class _Progress:
-    def __init__(self, total: int, out: TextIO, enabled: bool) -> None:
-        self.total, self.out, self.enabled = total, out, enabled
-        self._last = 0.0
-        self._drawn = 0  # length of the bar on the current line; 0: none
-
-    def note(self, line: str) -> None:
-        """A line above the bar (a warning): blank the bar, print, redraw later."""
-        if self._drawn:
-            self.out.write("\r" + " " * self._drawn + "\r")
-            self._drawn = 0
-        self.out.write(line + "\n")
-        self.out.flush()
-        self._last = 0.0
-
-    # structlog's logger protocol: it calls the method named after the level.
-    msg = debug = info = warning = error = critical = note
-
-    def show(self, done: int, failed: int, live: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < 0.1):
-            return
-        self._last = now
-        width = 30
-        ended = done + failed
-        filled = int(width * ended / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        text = f"[{bar}] {ended}/{self.total}  done {done}  failed {failed}  live {live} "
-        self.out.write("\r" + text)
-        self._drawn = len(text)
-        if force:
-            self.out.write("\n")
-            self._drawn = 0
-        self.out.flush()
-
-    def logger(self) -> Any:
-        """A structlog logger printing above the bar, whatever the app configured."""
-        return structlog.wrap_logger(
-            self,
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-                structlog.dev.ConsoleRenderer(colors=False),
-            ],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-            context_class=dict,
-            cache_logger_on_first_use=True,
-        )
-
-
-RegisterSource = Callable[[KVCache], None]
-
-
-def _make_decode(
-    cfg: RunConfig, layout: KVLayout
-) -> tuple[TransferBackend, Decode, RegisterSource]:
-    if cfg.backend == "local":
-        local = LocalBackend(workers=cfg.workers)
-        return local, _LocalDecode(local, layout), local.register_source
-    # Imported here: the local backend must work where Mooncake cannot load.
-    from ._mooncake_decode import start_mooncake_decode
-
-    mooncake, decode = start_mooncake_decode(cfg, layout)
-    return mooncake, decode, mooncake.register
 
 
 def run(
@@ -299,7 +65,7 @@ def run(
             if cfg.journal_path is not None
             else None
         )
-        inner, decode, register_source = _make_decode(cfg, layout)
+        inner, decode, register_source = make_decode(cfg, layout)
         closing.callback(inner.close)
         closing.callback(decode.close)
         return _run(cfg, layout, rng, inner, decode, register_source, out, journal, registry)
@@ -359,7 +125,7 @@ def _run(
     sched.add_peer(decode.peer)
     progressed = threading.Event()
     sched.add_observer(lambda _fin: progressed.set())
-    progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
+    progress = Progress(cfg.requests, sys.stderr, cfg.progress)
     if registry is None and cfg.metrics_port is not None:
         registry = CollectorRegistry()
     if registry is not None:
@@ -476,44 +242,7 @@ def _run(
         if raw.failed_calls == 0:
             summary.raw_gbps = round(raw.gbps, 3)
             summary.raw_cpu_s_per_gb = round(raw.cpu_s_per_gb, 3)
-    _print_summary(summary, cfg, out)
+    print_summary(summary, cfg, out)
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
     return summary
-
-
-def _print_summary(s: RunSummary, cfg: RunConfig, out: TextIO) -> None:
-    rows = [
-        ("backend", cfg.backend),
-        ("requests", s.requests),
-        ("done", s.done),
-        ("failed", s.failed),
-        *((f"  {reason}", n) for reason, n in s.by_reason.items()),
-        ("non-terminal", s.non_terminal),
-        ("verified intact", s.verified),
-        ("integrity errors", s.integrity_errors),
-        ("unverified (decode gone)", s.unverified),
-        ("unverified (decode alive)", s.unverified_alive),
-        ("released before quiesce", s.released_before_quiesce),
-        ("p50 / p99 latency (ms)", f"{s.p50_ms:.2f} / {s.p99_ms:.2f}"),
-        ("throughput (GB/s)", f"{s.gbps:.3f}" + _vs_raw(s)),
-        ("CPU s per GB", f"{s.cpu_s_per_gb:.3f}" + _raw_cpu(s)),
-        ("wall (s)", f"{s.wall_s:.2f}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        out.write(f"{k:<{width}}  {v}\n")
-    broken = s.ok()
-    out.write("result: " + ("OK" if not broken else "BROKEN: " + "; ".join(broken)) + "\n")
-    out.flush()
-
-
-def _vs_raw(s: RunSummary) -> str:
-    if s.raw_gbps is None:
-        return ""
-    ratio = f", {s.gbps / s.raw_gbps:.2f}x" if s.raw_gbps > 0 else ""
-    return f"  (raw engine, same entries: {s.raw_gbps:.3f}{ratio})"
-
-
-def _raw_cpu(s: RunSummary) -> str:
-    return "" if s.raw_cpu_s_per_gb is None else f"  (raw engine: {s.raw_cpu_s_per_gb:.3f})"

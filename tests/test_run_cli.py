@@ -180,8 +180,9 @@ def test_unanswered_verification_while_decode_alive_fails_the_job(
     import io
 
     from scheduler import run as run_mod
+    from scheduler._run_decode import LocalDecode
 
-    monkeypatch.setattr(run_mod._LocalDecode, "digests", lambda *_args: None)
+    monkeypatch.setattr(LocalDecode, "digests", lambda *_args: None)
     out = io.StringIO()
     cfg = run_mod.RunConfig(
         requests=12,
