@@ -8,11 +8,13 @@ record reads ``{"event": "complete", "request_id": ..., "source": ...}``.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 import traceback
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import structlog
 
@@ -41,6 +43,10 @@ _LEVEL: dict[TransferState, str] = {
     TransferState.FAILED: "warning",
 }
 
+_LEVEL_NO = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_UNRESOLVED: Any = object()
+_PROXY = type(structlog.get_logger())  # the lazy proxy get_logger() returns
+
 # Enum .name/.value are Python-level properties: look them up in C instead.
 _NAME: dict[TransferState | FailureReason | None, str | None] = {
     None: None,
@@ -59,10 +65,16 @@ class Journal:
     written to stderr, as ``logging.Handler.handleError`` does.
     """
 
-    __slots__ = ("_lock", "_logger", "errors")
+    __slots__ = ("_emitters", "_lock", "_logger", "errors")
 
     errors: int  # records lost to a failing sink; only ever grows, under _lock
     _lock: threading.Lock  # makes "count, and warn if first" one step
+    # level -> the logger's method, or None where the logger drops the level.
+    # Filled only once structlog has cached the assembled logger of a lazy
+    # proxy (its own cache_logger_on_first_use): from then on the proxy
+    # itself would answer the same, so this only skips its per-call cost --
+    # and, for a filtered level, building a record that is thrown away.
+    _emitters: dict[str, Callable[..., Any] | None]
 
     def __init__(self, logger: Any = None) -> None:
         # A structlog lazy proxy: it honours whatever configuration the
@@ -70,10 +82,30 @@ class Journal:
         self._logger: Any = logger if logger is not None else structlog.get_logger(LOGGER_NAME)
         self.errors = 0
         self._lock = threading.Lock()
+        self._emitters = {}
+
+    def _emitter(self, level: str) -> Callable[..., Any] | None:
+        emit: Callable[..., Any] | None = self._emitters.get(level, _UNRESOLVED)
+        if emit is not _UNRESOLVED:
+            return emit
+        logger = self._logger
+        if type(logger) is not _PROXY or "bind" not in vars(logger):
+            return cast(Callable[..., Any], getattr(logger, level))
+        bound = logger.bind()  # structlog's cached logger: the same object every time
+        enabled = getattr(bound, "is_enabled_for", None)
+        if enabled is not None and not enabled(_LEVEL_NO[level]):
+            emit = None
+        else:
+            emit = getattr(bound, level)
+        self._emitters[level] = emit
+        return emit
 
     def transition(self, request_id: str, rec: TransitionRecord) -> None:
         try:
-            getattr(self._logger, _LEVEL[rec.dest])(
+            emit = self._emitter(_LEVEL[rec.dest])
+            if emit is None:
+                return
+            emit(
                 rec.event.value,
                 request_id=request_id,
                 source=_NAME[rec.source],
@@ -96,7 +128,10 @@ class Journal:
         # A late completion or a duplicate failure on a terminal request: a
         # normal race, not an error, but worth a record for post-mortems.
         try:
-            self._logger.debug(
+            emit = self._emitter("debug")
+            if emit is None:
+                return
+            emit(
                 event.value,
                 request_id=request_id,
                 source=state.name,

@@ -36,11 +36,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import structlog
 
-from lifecycle import FailureReason, Journal, TransferState, exit_reason
+from lifecycle import FailureReason, Journal, RequestLifecycle, TransferState, exit_reason
 from transfer import (
     PeerInfo,
     PeerLost,
@@ -92,6 +92,7 @@ class SchedulerCore:
         self.journal = journal
         self.defer = defer  # runs a user callback on the callback thread
         self.table = RequestTable(Peers(peer_lost_after_probes))
+        self._ended_hook = self._ended  # bound once: every request shares it
         self.checks = ReleaseChecks()
         # Everything below belongs to the thread inside step(), under _lock;
         # readers (metrics) take _lock too and never see a half-applied step.
@@ -124,17 +125,18 @@ class SchedulerCore:
         release: ReleaseCallback | None,
     ) -> Request:
         lc = ScheduledLifecycle(
-            request_id, self.defer, max_attempts=self.retry.max_attempts, journal=self.journal
+            request_id,
+            self.defer,
+            self._ended_hook,
+            max_attempts=self.retry.max_attempts,
+            journal=self.journal,
         )
-        req = Request(lc, plan, now, deadline_s, priority, release)
-        post, get_ident = self.table.post, threading.get_ident
+        return Request(lc, plan, now, deadline_s, priority, release)
 
-        def ended(_lc: object) -> None:
-            if self._owner != get_ident():  # the core itself handles its own endings
-                post(self._on_terminal, req)
-
-        lc.on_terminal(ended)
-        return req
+    def _ended(self, lc: RequestLifecycle) -> None:
+        # Every request's first done-callback, in the thread that ended it.
+        if self._owner != threading.get_ident():  # the core itself handles its own endings
+            self.table.post(self._on_terminal, cast(ScheduledLifecycle, lc).request)
 
     def accept(self, req: Request, info: PeerInfo) -> None:
         """Admit ``req`` (see RequestTable.admit); the caller retries on LookupError."""
@@ -378,8 +380,7 @@ class SchedulerCore:
         req.finished = fin
         self._finished.append(fin)
         self._reported.append(req)
-        self._quarantine.hold(req)
-        if self._quarantine.take(req):
+        if self._quarantine.enter(req):
             self._releases.append(req)
 
     def _compact_queue(self) -> None:

@@ -101,8 +101,11 @@ class CallbackRunner:
     def _run(self, gen: int) -> None:
         self.idents.add(threading.get_ident())
         cv = self._cv
+        ran = False
         while True:
-            with cv:
+            with cv:  # one acquisition both ends the last job and takes the next
+                if ran and gen == self._gen:
+                    self._busy_since = None
                 while not self._jobs and not self._stopping and gen == self._gen:
                     cv.wait()
                 if gen != self._gen or not self._jobs:
@@ -110,9 +113,7 @@ class CallbackRunner:
                 fn, args = self._jobs.popleft()
                 self._busy_since = self._clock()
             _contained(fn, args)
-            with cv:
-                if gen == self._gen:
-                    self._busy_since = None
+            ran = True
 
     def stop(self, timeout: float) -> None:
         """Run what is queued, then stop; never joins the calling thread. Jobs

@@ -246,8 +246,9 @@ class Scheduler(Outcomes):
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}")
         if deadline_s is None:
-            deadline_s = self.default_deadline_s
-        _check_deadline("deadline_s", deadline_s)
+            deadline_s = self.default_deadline_s  # checked once, in __init__
+        else:
+            _check_deadline("deadline_s", deadline_s)
         if type(priority) is not int:
             raise InvalidRequest(f"priority must be an int, got {priority!r}")
         self._check_driver()
@@ -331,7 +332,10 @@ class Scheduler(Outcomes):
 
 
 def _is_empty(blocks: object) -> bool:
-    return isinstance(blocks, list | tuple | range) and len(blocks) == 0
+    return isinstance(blocks, _SEQUENCES) and not blocks
+
+
+_SEQUENCES = (list, tuple, range)  # a tuple: isinstance() checks it faster than a union
 
 
 def _check_deadline(name: str, value: float) -> None:

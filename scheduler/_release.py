@@ -39,10 +39,16 @@ class Quarantine:
     def held(self) -> list[Request]:
         return list(self._held)
 
-    def hold(self, req: Request) -> None:
+    def enter(self, req: Request) -> bool:
+        """``req`` just became terminal: True if it may be released at once
+        (the usual case: every op already quiesced); else it is held."""
+        if self.ready(req):
+            req.phase = Phase.RELEASING
+            return True
         req.phase = Phase.FINISHED
         self._held[req] = None
         self.nbytes += req.plan.nbytes
+        return False
 
     @staticmethod
     def ready(req: Request) -> bool:
@@ -81,8 +87,10 @@ class ReleaseChecks:
             self.double += 1
             return False
         self.running.add(req)
-        if not all(op.quiesced for op in req.ops):
-            self.before_quiesce += 1
+        for op in req.ops:
+            if not op.quiesced:
+                self.before_quiesce += 1
+                break
         return True
 
 

@@ -58,28 +58,29 @@ class ScheduledLifecycle(RequestLifecycle):
     after the terminal transition, but on the scheduler's callback thread.
     """
 
-    __slots__ = ("_defer",)
+    __slots__ = ("_defer", "request")
 
     _defer: Callable[[Callable[[], object]], None]
+    request: Request  # set by Request.__init__: what the scheduler's hook reports
 
     def __init__(
         self,
         request_id: str,
         defer: Callable[[Callable[[], object]], None],
+        ended: DoneCallback,
         *,
         max_attempts: int,
         journal: Journal | None,
     ) -> None:
+        """``ended(lc)``: the scheduler's own done-callback, shared by every
+        request; it runs first and inline, in the thread that ended it."""
         super().__init__(request_id, max_attempts=max_attempts, journal=journal)
         self._defer = defer
+        self._callbacks = [ended]
 
     def add_done_callback(self, fn: DoneCallback) -> None:
         defer = self._defer
         super().add_done_callback(lambda lc: defer(lambda: fn(lc)))
-
-    def on_terminal(self, fn: DoneCallback) -> None:
-        """The scheduler's own callback: runs inline, in the thread that ended it."""
-        super().add_done_callback(fn)
 
 
 class Request:
@@ -130,6 +131,7 @@ class Request:
     ) -> None:
         self.request_id = lc.request_id
         self.lc = lc
+        lc.request = self
         self.plan = plan
         self.peer = plan.peer
         self.deadline = now + deadline_s

@@ -327,3 +327,70 @@ def test_a_new_journal_logs_through_the_kvguard_logger(all_levels: None) -> None
         structlog.configure(**old)
     assert journal.errors == 0
     assert factory_args == [(LOGGER_NAME,), (LOGGER_NAME,)]
+
+
+class _CountingSink:
+    """A PrintLogger-like sink that counts what reaches it."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def msg(self, message: str) -> None:
+        self.lines.append(message)
+
+    debug = info = warning = error = msg
+
+
+def _cached_config(level: int, sink: _CountingSink) -> dict[str, Any]:
+    return {
+        "wrapper_class": structlog.make_filtering_bound_logger(level),
+        "processors": [structlog.processors.KeyValueRenderer(key_order=["event", "request_id"])],
+        "logger_factory": lambda *_: sink,
+        "cache_logger_on_first_use": True,
+    }
+
+
+def test_a_cached_logger_skips_filtered_levels_and_keeps_the_rest() -> None:
+    # The production configuration (structlog's cache_logger_on_first_use):
+    # the journal resolves the cached logger once, drops debug records
+    # without building them, and still writes retries and failures.
+    old = structlog.get_config()
+    sink = _CountingSink()
+    structlog.configure(**_cached_config(logging.INFO, sink))
+    try:
+        journal = Journal()
+        for i in range(3):
+            lc = RequestLifecycle(f"c-{i}", max_attempts=2, journal=journal)
+            lc.start()
+            lc.retry()
+            lc.start()
+            lc.complete()
+            lc.fail(FailureReason.TIMEOUT)  # ignored: a debug record
+        RequestLifecycle("c-f", journal=journal).fail(FailureReason.SHUTDOWN)
+    finally:
+        structlog.configure(**old)
+    assert [line.split(" ")[:2] for line in sink.lines] == [
+        *[["event='retry'", f"request_id='c-{i}'"] for i in range(3)],
+        ["event='fail'", "request_id='c-f'"],
+    ]
+    assert journal.errors == 0
+    assert journal._emitters["debug"] is None  # resolved once, and skipped whole
+
+
+def test_a_logger_not_yet_cached_follows_a_later_configuration() -> None:
+    # Until structlog caches its logger, the journal resolves it per record:
+    # a configuration installed after the Journal was made still applies.
+    old = structlog.get_config()
+    first, second = _CountingSink(), _CountingSink()
+    structlog.configure(
+        **{**_cached_config(logging.DEBUG, first), "cache_logger_on_first_use": False}
+    )
+    try:
+        journal = Journal()
+        RequestLifecycle("u-1", journal=journal).start()
+        structlog.configure(**_cached_config(logging.DEBUG, second))
+        RequestLifecycle("u-2", journal=journal).start()
+    finally:
+        structlog.configure(**old)
+    assert [line.split(" ")[1] for line in first.lines] == ["request_id='u-1'"]
+    assert [line.split(" ")[1] for line in second.lines] == ["request_id='u-2'"]

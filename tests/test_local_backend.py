@@ -23,6 +23,7 @@ from transfer import (
     TransferCancelled,
     TransferOp,
     TransferPlan,
+    TransferTimeout,
     build_plan,
 )
 from transfer.backend import Batch, Region
@@ -351,3 +352,35 @@ def test_any_valid_plan_arrives_intact(layout: KVLayout, data: st.DataObject) ->
         op = _run(backend, build_plan(src, dst.peer_info("p"), srcs, dsts, max_batch_entries=limit))
         assert op.error is None
     assert src.blocks_equal(dst, srcs, list(dsts)) == []
+
+
+def test_waiters_blocked_before_the_result_are_woken_by_it() -> None:
+    # TransferOp makes its condition only for a waiter that has to block:
+    # waiters that arrive before the result and quiescence must still wake,
+    # each at its own event, and a timed-out wait must report False / raise.
+    op = TransferOp(TransferPlan("decode:1", (), 0, 0))
+    assert not op.wait_quiesced(0.01)
+    with pytest.raises(TransferTimeout, match=r"not finished after 0\.010s"):
+        op.result(timeout=0.01)
+    got: dict[str, object] = {}
+
+    def wait_result() -> None:
+        op.result(timeout=TIMEOUT)
+        got["result"] = (op.done, op.quiesced)
+
+    def wait_quiesced() -> None:
+        got["quiesced"] = op.wait_quiesced(TIMEOUT)
+
+    threads = [threading.Thread(target=f) for f in (wait_result, wait_quiesced)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # both are blocked in the condition by now
+    assert got == {} and not op.done and not op.quarantined
+    op._resolve(None)
+    threads[0].join(TIMEOUT)
+    assert got == {"result": (True, False)} and op.quarantined
+    op._quiesce()
+    threads[1].join(TIMEOUT)
+    assert got == {"result": (True, False), "quiesced": True}
+    assert op.resolved_at is not None and op.quiesced_at is not None
+    assert op.quiesced_at >= op.resolved_at and not op.quarantined

@@ -172,35 +172,35 @@ class TransferOp:
 
     __slots__ = (
         "_cancelled",
+        "_cv",
         "_error",
         "_lock",
         "_q_callbacks",
-        "_quiesced",
         "_r_callbacks",
-        "_resolved",
         "plan",
         "quiesced_at",
         "resolved_at",
     )
 
     plan: TransferPlan
-    _lock: threading.Lock
-    _resolved: threading.Event  # set once; _error is final from then on
-    _error: TransferError | None  # None after success
-    _r_callbacks: list[OpCallback] | None  # None once resolved
-    _quiesced: threading.Event  # set once the engine can no longer touch the plan's buffers
-    _q_callbacks: list[OpCallback] | None  # None once quiesced
+    _lock: threading.Lock  # guards the fields below that _resolve/_quiesce change
+    _cv: threading.Condition | None  # on _lock; made by the first blocking waiter only
+    _error: TransferError | None  # final once _r_callbacks is None; None after success
+    _r_callbacks: list[OpCallback] | None  # None once resolved: "done" is this being None
+    _q_callbacks: list[OpCallback] | None  # None once quiesced (the engine can no
+    # longer touch the plan's buffers); only ever after _r_callbacks became None
     _cancelled: bool  # checked by the backend before it hands the engine more entries
     resolved_at: float | None  # time.monotonic() of the result; None before
     quiesced_at: float | None  # time.monotonic() of quiescence; None before; >= resolved_at
 
+    # Most ops are only ever observed through callbacks (the scheduler): two
+    # threading.Events per op cost ~8 us, so the condition is made on demand.
     def __init__(self, plan: TransferPlan) -> None:
         self.plan = plan
         self._lock = threading.Lock()
-        self._resolved = threading.Event()
+        self._cv = None
         self._error = None
         self._r_callbacks = []
-        self._quiesced = threading.Event()
         self._q_callbacks = []
         self._cancelled = False
         self.resolved_at = None
@@ -214,7 +214,7 @@ class TransferOp:
         A TransferTimeout raised here does not stop the engine: check
         ``quiesced`` before reusing the buffers.
         """
-        if not self._resolved.wait(timeout):
+        if self._r_callbacks is not None and not self._wait(_is_resolved, timeout):
             raise TransferTimeout(
                 f"transfer to {self.plan.peer} not finished after {timeout:.3f}s",
                 peer=self.plan.peer,
@@ -224,7 +224,7 @@ class TransferOp:
 
     @property
     def done(self) -> bool:
-        return self._resolved.is_set()
+        return self._r_callbacks is None
 
     @property
     def error(self) -> TransferError | None:
@@ -232,12 +232,12 @@ class TransferOp:
 
     @property
     def quiesced(self) -> bool:
-        return self._quiesced.is_set()
+        return self._q_callbacks is None
 
     @property
     def quarantined(self) -> bool:
         """Has a result, but the engine may still read or write its buffers."""
-        return self._resolved.is_set() and not self._quiesced.is_set()
+        return self._r_callbacks is None and self._q_callbacks is not None
 
     @property
     def nbytes(self) -> int:
@@ -245,7 +245,13 @@ class TransferOp:
         return self.plan.nbytes
 
     def wait_quiesced(self, timeout: float | None = None) -> bool:
-        return self._quiesced.wait(timeout)
+        return self._q_callbacks is None or self._wait(_is_quiesced, timeout)
+
+    def _wait(self, pred: Callable[[TransferOp], bool], timeout: float | None) -> bool:
+        with self._lock:
+            if self._cv is None:
+                self._cv = threading.Condition(self._lock)
+            return self._cv.wait_for(lambda: pred(self), timeout)
 
     def add_done_callback(self, fn: OpCallback) -> None:
         """Call ``fn(op)`` once, when the op has a result (at once if it has)."""
@@ -279,23 +285,35 @@ class TransferOp:
 
     def _resolve(self, error: TransferError | None) -> None:
         with self._lock:
-            if self._r_callbacks is None:
+            callbacks = self._r_callbacks
+            if callbacks is None:
                 return  # first outcome wins
-            callbacks, self._r_callbacks = self._r_callbacks, None
-            self._error = error
+            self._error = error  # before "done" is visible: a reader sees both
             self.resolved_at = time.monotonic()
-            self._resolved.set()
+            self._r_callbacks = None
+            if self._cv is not None:
+                self._cv.notify_all()
         _run_callbacks(callbacks, self, "done")
 
     def _quiesce(self) -> None:
         """Only after _resolve: an op is never quiesced without a result."""
         with self._lock:
-            if self._q_callbacks is None:
+            callbacks = self._q_callbacks
+            if callbacks is None:
                 return
-            callbacks, self._q_callbacks = self._q_callbacks, None
             self.quiesced_at = time.monotonic()
-            self._quiesced.set()
+            self._q_callbacks = None
+            if self._cv is not None:
+                self._cv.notify_all()
         _run_callbacks(callbacks, self, "quiesce")
+
+
+def _is_resolved(op: TransferOp) -> bool:
+    return op._r_callbacks is None
+
+
+def _is_quiesced(op: TransferOp) -> bool:
+    return op._q_callbacks is None
 
 
 def _run_callbacks(callbacks: list[OpCallback], op: TransferOp, kind: str) -> None:
