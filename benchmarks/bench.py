@@ -93,6 +93,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     figures["scheduler_ratio"] = round(
         figures["scheduler_requests_per_s"] / figures["direct_requests_per_s"], 3
     )
+    # Where the gap comes from: per-request CPU on one thread (no hand-offs).
+    split = scheduler_bench.breakdown(5_000 if quick else 20_000)
+    figures.update({f"one_thread_{k}": v for k, v in split.items()})
     print("== real Mooncake, two processes on loopback", flush=True)
     figures.update(mooncake_bench.run(quick))
     missing = [k for k in KEYS if k not in figures]
@@ -119,6 +122,12 @@ def main(json_path: Path | None = None, quick: bool = False) -> int:
         f"({result['scheduler_requests_per_s']:,.0f} vs {result['direct_requests_per_s']:,.0f}; "
         f"{result['scheduler_requests_per_s'] / extra['direct_prebuilt_requests_per_s']:.2f} "
         f"against a prebuilt plan)"
+    )
+    print(
+        f"  per request on one thread: scheduler {extra['one_thread_scheduler_us']:.1f} us "
+        f"(submit beyond the plan {extra['one_thread_submit_beyond_plan_us']:.1f}, "
+        f"steps {extra['one_thread_step_us']:.1f}, release {extra['one_thread_release_us']:.1f}) "
+        f"vs bare backend {extra['one_thread_bare_us']:.1f} us"
     )
     for name in ("contiguous", "fragmented"):  # same plan, MooncakeBackend vs raw sync call
         ours, raw = extra[f"cpu_s_per_gb_{name}"], extra[f"cpu_s_per_gb_{name}_raw"]

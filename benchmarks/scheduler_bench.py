@@ -12,17 +12,29 @@ paired (direct, scheduler, direct, ...) and medians compared, because the
 machines are noisy. structlog is configured as in production (loggers cached
 on first use; see ``lifecycle_bench``), as the journal runs per transition.
 
-    python -m benchmarks.scheduler_bench [--quick]
+``--breakdown`` measures where the scheduler's time goes, on one thread
+with nothing else running: each op completes inside ``submit`` and the
+callbacks run inline, so the figures are CPU microseconds per request of
+``submit`` (beyond the plan both sides build), of the core's steps, and of
+the release, next to the whole bare-backend request. The thread hand-offs
+themselves cost next to nothing (a pipeline through the same three threads
+that does no bookkeeping matches the bare backend's requests/s); what
+separates the two figures is this per-request Python work, all under the GIL.
+
+    python -m benchmarks.scheduler_bench [--quick] [--breakdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from scheduler import Scheduler
-from transfer import KVCache, KVLayout, LocalBackend, TransferOp, build_plan
+from transfer import KVCache, KVLayout, LocalBackend, TransferOp, TransferPlan, build_plan
 
 from .lifecycle_bench import _production_logging
 
@@ -97,10 +109,84 @@ def run(quick: bool = False) -> dict[str, float]:
     }
 
 
+class _InlineBackend(LocalBackend):
+    """Completes and quiesces every op inside submit(): no thread, no copy."""
+
+    def submit(self, plan: TransferPlan) -> TransferOp:
+        op = TransferOp(plan)
+        op._resolve(None)
+        op._quiesce()
+        return op
+
+
+def breakdown(n: int = 20_000, batch: int = 64) -> dict[str, float]:
+    """CPU us per request, one thread, garbage collector paused (see module doc)."""
+    layout = KVLayout(num_layers=1, num_blocks=64, block_bytes=64, kv_split=False)
+    src, dst = KVCache(layout), KVCache(layout)
+    backend = _InlineBackend(workers=1)
+    backend.register_source(src)
+    backend.register_peer("decode", dst)
+    sched = Scheduler(backend, src, workers=batch, default_deadline_s=60.0, driver="external")
+    jobs: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+    sched._callbacks.extend = jobs.extend  # type: ignore[method-assign,assignment]
+    sched.add_peer(dst.peer_info("decode"))
+    peer = dst.peer_info("decode")
+    t = dict.fromkeys(("plan", "submit", "step", "release", "bare"), 0.0)
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        with _production_logging():
+            for k in range(n // batch):
+                t0 = time.perf_counter()
+                for i in range(batch):
+                    sched.submit(f"r{k}-{i}", [1], [2], peer="decode")
+                t1 = time.perf_counter()
+                sched.step()
+                t2 = time.perf_counter()
+                for fn, args in jobs:
+                    fn(*args)
+                jobs.clear()
+                t3 = time.perf_counter()
+                for _ in range(batch):
+                    build_plan(src, peer, [1], [2])
+                t4 = time.perf_counter()
+                for _ in range(batch):
+                    op = backend.submit(build_plan(src, peer, [1], [2]))
+                    op.result(timeout=1)
+                    op.wait_quiesced(1)
+                t5 = time.perf_counter()
+                for key, dt in zip(t, (t4 - t3, t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+                    t[key] += dt
+    finally:
+        if gc_was:
+            gc.enable()
+        sched.close()
+        backend.close()
+    done = (n // batch) * batch
+    us = {key: 1e6 * v / done for key, v in t.items()}
+    return {
+        "submit_beyond_plan_us": round(us["submit"] - us["plan"], 2),
+        "step_us": round(us["step"], 2),
+        "release_us": round(us["release"], 2),
+        "scheduler_us": round(us["submit"] + us["step"] + us["release"], 2),
+        "bare_us": round(us["bare"], 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    r = run(parser.parse_args().quick)
+    parser.add_argument("--breakdown", action="store_true")
+    args = parser.parse_args()
+    if args.breakdown:
+        b = breakdown()
+        print(
+            f"one thread, per request: scheduler {b['scheduler_us']:.1f} us "
+            f"(submit beyond the plan {b['submit_beyond_plan_us']:.1f}, steps {b['step_us']:.1f}, "
+            f"release {b['release_us']:.1f}); bare backend {b['bare_us']:.1f} us"
+        )
+        return
+    r = run(args.quick)
     sched, direct = r["scheduler_requests_per_s"], r["direct_requests_per_s"]
     prebuilt = r["direct_prebuilt_requests_per_s"]
     print(
