@@ -46,6 +46,11 @@ _LEVEL: dict[TransferState, str] = {
 _LEVEL_NO = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _UNRESOLVED: Any = object()
 _PROXY = type(structlog.get_logger())  # the lazy proxy get_logger() returns
+# make_filtering_bound_logger's classes, one per level: their filtering is
+# fixed when the class is made (a stdlib-backed logger's is not).
+_FIXED_LEVEL = frozenset(
+    structlog.make_filtering_bound_logger(n) for n in (0, 10, 20, 30, 40, 50)
+)
 
 # Enum .name/.value are Python-level properties: look them up in C instead.
 _NAME: dict[TransferState | FailureReason | None, str | None] = {
@@ -69,11 +74,12 @@ class Journal:
 
     errors: int  # records lost to a failing sink; only ever grows, under _lock
     _lock: threading.Lock  # makes "count, and warn if first" one step
-    # level -> the logger's method, or None where the logger drops the level.
-    # Filled only once structlog has cached the assembled logger of a lazy
-    # proxy (its own cache_logger_on_first_use): from then on the proxy
+    # level -> the logger's method, or None where the logger drops the level
+    # for good. Filled only once structlog has cached the assembled logger of
+    # a lazy proxy (its own cache_logger_on_first_use): from then on the proxy
     # itself would answer the same, so this only skips its per-call cost --
-    # and, for a filtered level, building a record that is thrown away.
+    # and, under a fixed-level filtering logger, building records that are
+    # thrown away.
     _emitters: dict[str, Callable[..., Any] | None]
 
     def __init__(self, logger: Any = None) -> None:
@@ -92,11 +98,10 @@ class Journal:
         if type(logger) is not _PROXY or "bind" not in vars(logger):
             return cast(Callable[..., Any], getattr(logger, level))
         bound = logger.bind()  # structlog's cached logger: the same object every time
-        enabled = getattr(bound, "is_enabled_for", None)
-        if enabled is not None and not enabled(_LEVEL_NO[level]):
-            emit = None
+        if type(bound) in _FIXED_LEVEL and not bound.is_enabled_for(_LEVEL_NO[level]):
+            emit = None  # its level is part of its class: it can never change
         else:
-            emit = getattr(bound, level)
+            emit = getattr(bound, level)  # e.g. stdlib's: asks logging on every call
         self._emitters[level] = emit
         return emit
 

@@ -135,9 +135,10 @@ class SchedulerCore:
         return Request(lc, plan, now, deadline_s, priority, release)
 
     def _ended(self, lc: RequestLifecycle) -> None:
-        # Every request's first done-callback, in the thread that ended it.
-        if self._owner != threading.get_ident():  # the core itself handles its own endings
-            self.table.post(self._on_terminal, cast(ScheduledLifecycle, lc).request)
+        # Every request's first done-callback, once, in the thread that ended it.
+        req = cast(ScheduledLifecycle, lc).take_request()
+        if req is not None and self._owner != threading.get_ident():
+            self.table.post(self._on_terminal, req)  # the core handles its own endings
 
     def accept(self, req: Request, info: PeerInfo) -> None:
         """Admit ``req`` (see RequestTable.admit); the caller retries on LookupError."""

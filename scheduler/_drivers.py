@@ -113,6 +113,7 @@ class CallbackRunner:
                 fn, args = self._jobs.popleft()
                 self._busy_since = self._clock()
             _contained(fn, args)
+            del fn, args  # pin nothing (a released request) while idle
             ran = True
 
     def stop(self, timeout: float) -> None:

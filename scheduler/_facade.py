@@ -85,7 +85,6 @@ class Scheduler(Outcomes):
         ):
             if type(value) is not int or value < low:
                 raise InvalidRequest(f"{name} must be an int >= {low}, got {value!r}")
-        _check_deadline("default_deadline_s", default_deadline_s)
         if driver not in ("thread", "external"):
             raise InvalidRequest(f"driver must be 'thread' or 'external', got {driver!r}")
         self.backend = backend
@@ -118,6 +117,16 @@ class Scheduler(Outcomes):
             self._driver = ThreadDriver(
                 core, self._dispatch, self._driver_died, idle_check=self._callbacks.next_check
             )
+
+    @property
+    def default_deadline_s(self) -> float:
+        """The deadline of a submit() that names none; set only to a valid one."""
+        return self._default_deadline_s
+
+    @default_deadline_s.setter
+    def default_deadline_s(self, value: float) -> None:
+        _check_deadline("default_deadline_s", value)
+        self._default_deadline_s = value
 
     def add_observer(self, fn: Callable[[Finished], object]) -> None:
         """Call ``fn(finished)`` for every request that becomes terminal from now on."""
@@ -246,7 +255,7 @@ class Scheduler(Outcomes):
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}")
         if deadline_s is None:
-            deadline_s = self.default_deadline_s  # checked once, in __init__
+            deadline_s = self._default_deadline_s  # checked by its setter
         else:
             _check_deadline("deadline_s", deadline_s)
         if type(priority) is not int:

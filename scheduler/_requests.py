@@ -58,10 +58,13 @@ class ScheduledLifecycle(RequestLifecycle):
     after the terminal transition, but on the scheduler's callback thread.
     """
 
-    __slots__ = ("_defer", "request")
+    __slots__ = ("_defer", "_request")
 
     _defer: Callable[[Callable[[], object]], None]
-    request: Request  # set by Request.__init__: what the scheduler's hook reports
+    # Set by Request.__init__; taken (and cleared) by the scheduler's hook at
+    # the terminal transition, so no cycle outlives the request: a caller
+    # holding the lifecycle does not pin the plan, ops and error.
+    _request: Request | None
 
     def __init__(
         self,
@@ -77,6 +80,11 @@ class ScheduledLifecycle(RequestLifecycle):
         super().__init__(request_id, max_attempts=max_attempts, journal=journal)
         self._defer = defer
         self._callbacks = [ended]
+
+    def take_request(self) -> Request | None:
+        """The request, the first time only (the scheduler's hook calls it)."""
+        req, self._request = self._request, None
+        return req
 
     def add_done_callback(self, fn: DoneCallback) -> None:
         defer = self._defer
@@ -131,7 +139,7 @@ class Request:
     ) -> None:
         self.request_id = lc.request_id
         self.lc = lc
-        lc.request = self
+        lc._request = self
         self.plan = plan
         self.peer = plan.peer
         self.deadline = now + deadline_s

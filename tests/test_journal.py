@@ -341,34 +341,39 @@ class _CountingSink:
     debug = info = warning = error = msg
 
 
-def _cached_config(level: int, sink: _CountingSink) -> dict[str, Any]:
+def _filtering(level: int, sink: _CountingSink, *, cached: bool) -> dict[str, Any]:
     return {
         "wrapper_class": structlog.make_filtering_bound_logger(level),
         "processors": [structlog.processors.KeyValueRenderer(key_order=["event", "request_id"])],
         "logger_factory": lambda *_: sink,
-        "cache_logger_on_first_use": True,
+        "cache_logger_on_first_use": cached,
     }
 
 
 def test_a_cached_logger_skips_filtered_levels_and_keeps_the_rest() -> None:
     # The production configuration (structlog's cache_logger_on_first_use):
     # the journal resolves the cached logger once, drops debug records
-    # without building them, and still writes retries and failures.
-    old = structlog.get_config()
+    # without building them, and still writes retries and failures. (A
+    # logger of its own: a global cached configuration would capture the
+    # library's module-level loggers for the rest of the run.)
     sink = _CountingSink()
-    structlog.configure(**_cached_config(logging.INFO, sink))
-    try:
-        journal = Journal()
-        for i in range(3):
-            lc = RequestLifecycle(f"c-{i}", max_attempts=2, journal=journal)
-            lc.start()
-            lc.retry()
-            lc.start()
-            lc.complete()
-            lc.fail(FailureReason.TIMEOUT)  # ignored: a debug record
-        RequestLifecycle("c-f", journal=journal).fail(FailureReason.SHUTDOWN)
-    finally:
-        structlog.configure(**old)
+    cfg = _filtering(logging.INFO, sink, cached=True)
+    journal = Journal(
+        structlog.wrap_logger(
+            sink,
+            processors=cfg["processors"],
+            wrapper_class=cfg["wrapper_class"],
+            cache_logger_on_first_use=True,
+        )
+    )
+    for i in range(3):
+        lc = RequestLifecycle(f"c-{i}", max_attempts=2, journal=journal)
+        lc.start()
+        lc.retry()
+        lc.start()
+        lc.complete()
+        lc.fail(FailureReason.TIMEOUT)  # ignored: a debug record
+    RequestLifecycle("c-f", journal=journal).fail(FailureReason.SHUTDOWN)
     assert [line.split(" ")[:2] for line in sink.lines] == [
         *[["event='retry'", f"request_id='c-{i}'"] for i in range(3)],
         ["event='fail'", "request_id='c-f'"],
@@ -377,20 +382,48 @@ def test_a_cached_logger_skips_filtered_levels_and_keeps_the_rest() -> None:
     assert journal._emitters["debug"] is None  # resolved once, and skipped whole
 
 
+def test_a_stdlib_backed_logger_follows_level_changes_at_run_time() -> None:
+    # structlog's stdlib BoundLogger asks logging on every call: raising the
+    # level of kvguard.lifecycle during an incident must take effect at once,
+    # even though structlog cached the logger.
+    std = logging.getLogger("kvguard.test.journal-stdlib")
+    std.propagate = False
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(str(record.msg))  # type: ignore[method-assign]
+    std.addHandler(handler)
+    std.setLevel(logging.WARNING)
+    journal = Journal(
+        structlog.wrap_logger(
+            std,
+            processors=[structlog.processors.KeyValueRenderer(key_order=["event", "request_id"])],
+            wrapper_class=structlog.stdlib.BoundLogger,
+            cache_logger_on_first_use=True,
+        )
+    )
+    try:
+        RequestLifecycle("quiet", journal=journal).start()  # structlog caches its logger
+        RequestLifecycle("quieter", journal=journal).start()  # the journal resolves it
+        std.setLevel(logging.DEBUG)
+        RequestLifecycle("loud", journal=journal).start()
+    finally:
+        std.removeHandler(handler)
+    assert [r.split(" ")[:2] for r in records] == [["event='start'", "request_id='loud'"]]
+
+
 def test_a_logger_not_yet_cached_follows_a_later_configuration() -> None:
     # Until structlog caches its logger, the journal resolves it per record:
     # a configuration installed after the Journal was made still applies.
     old = structlog.get_config()
     first, second = _CountingSink(), _CountingSink()
-    structlog.configure(
-        **{**_cached_config(logging.DEBUG, first), "cache_logger_on_first_use": False}
-    )
+    structlog.configure(**_filtering(logging.DEBUG, first, cached=False))
     try:
         journal = Journal()
         RequestLifecycle("u-1", journal=journal).start()
-        structlog.configure(**_cached_config(logging.DEBUG, second))
+        structlog.configure(**_filtering(logging.DEBUG, second, cached=False))
         RequestLifecycle("u-2", journal=journal).start()
     finally:
         structlog.configure(**old)
     assert [line.split(" ")[1] for line in first.lines] == ["request_id='u-1'"]
     assert [line.split(" ")[1] for line in second.lines] == ["request_id='u-2'"]
+    assert journal._emitters == {}  # nothing cached: the proxy is asked every time

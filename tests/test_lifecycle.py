@@ -791,3 +791,37 @@ def test_state_reason_and_error_publish_atomically() -> None:
     assert seen == []
     assert tuple(lc.outcome) == (S.FAILED, FailureReason.PEER_LOST, err)
     assert _views(lc) == (S.FAILED, FailureReason.PEER_LOST, err)
+
+
+def test_a_failing_sink_for_a_callback_error_still_settles_the_request() -> None:
+    # A done-callback raises, and logging that error raises too (a broken
+    # pipe, a bad processor): the next callback still runs, the request is
+    # settled, and wait() returns at once instead of blocking forever.
+    old = structlog.get_config()
+
+    def refuse(_logger: object, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        if event_dict.get("event") == "done_callback_failed":
+            raise BrokenPipeError("log pipe closed")
+        return event_dict
+
+    ran: list[str] = []
+
+    def boom(_: RequestLifecycle) -> None:
+        ran.append("boom")
+        raise ValueError("callback bug")
+
+    lc = RequestLifecycle("sink-fails", journal=Journal(structlog.testing.CapturingLogger()))
+    lc.add_done_callback(boom)
+    lc.add_done_callback(lambda _: ran.append("second"))
+    structlog.configure(processors=[refuse], cache_logger_on_first_use=False)
+    try:
+        lc.start()
+        with pytest.raises(BrokenPipeError, match="log pipe closed"):
+            lc.complete()  # the first BaseException reaches the caller, once settled
+    finally:
+        structlog.configure(**old)
+    assert ran == ["boom", "second"]
+    t0 = time.monotonic()
+    assert lc.wait(5.0) is S.DONE
+    assert time.monotonic() - t0 < 1.0
+    assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)

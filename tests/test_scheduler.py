@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import threading
 import time
@@ -1331,3 +1332,49 @@ def test_peer_changes_reach_a_backend_that_tracks_peers(rig: Rig) -> None:
         assert calls == [("add", PEER), ("remove", PEER)]
     finally:
         sched.close()
+
+
+# -- memory of finished requests -------------------------------------------------------
+
+
+def test_finished_requests_leave_no_cyclic_garbage() -> None:
+    # A request and its lifecycle used to point at each other for good: every
+    # released request (plan, ops, error) waited for the cyclic collector,
+    # and a caller holding the lifecycle pinned all of it. The scheduler's
+    # hook now drops the lifecycle's link at the terminal transition.
+    src, dst = KVCache(LAYOUT), KVCache(LAYOUT)
+    local = LocalBackend(workers=1)
+    info = local.register_peer(PEER, dst)
+    local.register_source(src)
+    sched = Scheduler(local, src, workers=8, default_deadline_s=LONG)
+    sched.add_peer(info)
+    gc.collect()
+    gc.disable()
+    try:
+        held = sched.submit("held", [0], [0], peer=PEER)
+        for i in range(200):
+            sched.submit(f"free-{i}", [i % 64], [i % 64], peer=PEER)
+        assert sched.drain(WAIT)
+        assert sched.metrics().done == 201
+        garbage = gc.collect()
+    finally:
+        gc.enable()
+        sched.close()
+        local.close()
+    assert garbage < 50, f"{garbage} objects needed the cyclic collector"
+    assert held._request is None  # type: ignore[attr-defined]
+    assert sched.get("held") is held  # the tombstone answers while the caller holds it
+
+
+def test_default_deadline_is_validated_whenever_it_is_set(make_rig: MakeRig) -> None:
+    # submit() trusts the default (checked once per setting, not per request).
+    rig = make_rig([FaultKind.HANG])
+    for bad in (math.inf, -1.0, 0, None, True, "1"):
+        with pytest.raises(InvalidRequest, match="default_deadline_s must be a positive finite"):
+            rig.sched.default_deadline_s = bad  # type: ignore[assignment]
+    assert rig.sched.default_deadline_s == LONG
+    rig.sched.default_deadline_s = 0.05  # a valid new default applies to the next submit
+    lc = rig.submit("short", [1], [1])  # hangs: only its deadline can end it
+    assert rig.sched.wait("short", WAIT) is TransferState.FAILED
+    assert lc.reason is FailureReason.TIMEOUT
+    assert 0.04 <= lc.history[-1].at - lc.history[0].at < LONG / 2
