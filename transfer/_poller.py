@@ -174,6 +174,23 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
 
+    def release_engine(self) -> bool:
+        """Drop the loop's reference to the engine once the loop has ended
+        with nothing held; True if it did.
+
+        The loop and its backend reference each other (through the hooks), so
+        an engine left here is freed only by the cyclic GC: at a random moment,
+        on whatever thread happens to allocate, with the GIL held for as long
+        as the engine's destructor runs (it joins the engine's threads: up to
+        about 1 s), so that every thread of the process -- a scheduler's
+        driver past a deadline among them -- stands still meanwhile. The
+        backend's ``close()`` calls this and destroys the engine itself.
+        """
+        if self.thread.is_alive() or self._ops:
+            return False
+        self._engine = None
+        return True
+
     # -- the loop ------------------------------------------------------------------
 
     def _run(self) -> None:

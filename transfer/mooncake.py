@@ -436,6 +436,12 @@ class MooncakeBackend(TransferBackend):
         alive, deliberately leaked, until the process exits, with a warning.
         The loop goes on polling, so those ops still quiesce when the engine
         is done with them.
+
+        Otherwise the engine is destroyed before close() returns, on the
+        closing thread. Its destructor joins the engine's threads with the GIL
+        held (up to about 1 s), stalling every thread of the process: here, at a
+        time the caller chose, rather than in a later cyclic GC pass on any
+        thread, such as a scheduler's driver due to expire a request.
         """
         with self._lock:
             if self._closed:
@@ -472,6 +478,8 @@ class MooncakeBackend(TransferBackend):
             for region in cache.regions():
                 if (rc := engine.unregister_memory(region.base)) != 0:
                     _log.warning("unregister_failed", base=hex(region.base), rc=code_name(rc))
+        if loop.release_engine():
+            del engine  # the last reference: the engine is destroyed here, now
 
     # -- what the engine loop asks ----------------------------------------------------
 
