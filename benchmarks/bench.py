@@ -121,7 +121,8 @@ def main(json_path: Path | None = None, quick: bool = False) -> int:
         f"{result['scheduler_ratio']:.2f} "
         f"({result['scheduler_requests_per_s']:,.0f} vs {result['direct_requests_per_s']:,.0f}; "
         f"{result['scheduler_requests_per_s'] / extra['direct_prebuilt_requests_per_s']:.2f} "
-        f"against a prebuilt plan)"
+        f"against a prebuilt plan; the same hand-offs without bookkeeping: "
+        f"{extra['handoffs_only_requests_per_s'] / result['direct_requests_per_s']:.2f})"
     )
     print(
         f"  per request on one thread: scheduler {extra['one_thread_scheduler_us']:.1f} us "
