@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import structlog
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # CI: reproducible (derandomized), no per-example deadline (a loaded 2-core
 # machine makes timings meaningless), no example database on a fresh clone.
@@ -21,6 +21,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None, max_examples=50)
+# Mutation testing (HYPOTHESIS_PROFILE=mutmut): a mutant only has to be
+# detected, so no shrinking -- a shrinking pass over a broken core can run
+# for minutes per mutant -- and reproducible, like CI.
+settings.register_profile(
+    "mutmut",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # The library never configures structlog; the test suite is an application
