@@ -205,7 +205,7 @@ class SchedulerCore:
                 if not inbox:
                     break
             with table.lock:
-                probes = table.peers.due_probes(now, self.probe_interval_s)
+                probes = table.peers.due_probes(now)
                 probe_at = table.peers.next_probe_at()
             finished, self._finished = self._finished, []
             releases, self._releases = self._releases, []
@@ -369,8 +369,8 @@ class SchedulerCore:
         if state is _DONE:
             self.done += 1
             self.bytes_done += nbytes
-        else:
-            self.failed[reason.name if reason else "UNKNOWN"] += 1
+        else:  # FAILED: its outcome always carries the reason
+            self.failed[cast(FailureReason, reason).name] += 1
         fin = Finished(
             req.request_id,
             state,

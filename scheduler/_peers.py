@@ -91,7 +91,7 @@ class Peers(Generic[R]):
         peer.failures = 0
         return True
 
-    def due_probes(self, now: float, interval: float) -> list[str]:
+    def due_probes(self, now: float) -> list[str]:
         """Peers to probe now: those with requests in flight, and lost ones."""
         due = []
         for sid, peer in self._by_id.items():

@@ -381,6 +381,16 @@ def test_a_cached_logger_skips_filtered_levels_and_keeps_the_rest() -> None:
     assert journal.errors == 0
     assert journal._emitters["debug"] is None  # resolved once, and skipped whole
 
+    def no_more(**_: object) -> object:
+        raise AssertionError("the journal asked the proxy again")
+
+    journal._logger.bind = no_more  # every later record comes from the cache
+    lc = RequestLifecycle("c-late", journal=journal)
+    lc.start()
+    lc.fail(FailureReason.ABORTED)
+    assert journal.errors == 0
+    assert sink.lines[-1].split(" ")[:2] == ["event='fail'", "request_id='c-late'"]
+
 
 def test_a_stdlib_backed_logger_follows_level_changes_at_run_time() -> None:
     # structlog's stdlib BoundLogger asks logging on every call: raising the

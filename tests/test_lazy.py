@@ -31,3 +31,13 @@ def test_the_packages_export_exactly_their_tables() -> None:
         assert sorted(pkg.__all__) == sorted(pkg._LAZY)
         for name in pkg.__all__:
             assert getattr(pkg, name) is not None
+
+
+def test_the_name_is_taken_from_the_named_module_not_the_package() -> None:
+    # A name the package itself does not have: only lifecycle._lifecycle does.
+    ns: dict[str, object] = {}
+    getattr_ = lazy_getattr("lifecycle", {"_PLAIN": "._lifecycle"}, ns)
+    from lifecycle._lifecycle import _PLAIN
+
+    assert getattr_("_PLAIN") is _PLAIN
+    assert ns == {"_PLAIN": _PLAIN}

@@ -825,3 +825,18 @@ def test_a_failing_sink_for_a_callback_error_still_settles_the_request() -> None
     assert lc.wait(5.0) is S.DONE
     assert time.monotonic() - t0 < 1.0
     assert (lc.state, lc.reason, lc.error) == (S.DONE, None, None)
+
+
+def test_a_late_raising_done_callback_is_logged_by_name() -> None:
+    # Added after the terminal transition, the callback runs at once; what it
+    # raises is logged, naming the callback and the request, not raised.
+    lc = in_state(S.DONE)
+
+    def late_bug(_: RequestLifecycle) -> None:
+        raise RuntimeError("late bug")
+
+    with structlog.testing.capture_logs() as logs:
+        lc.add_done_callback(late_bug)
+    assert [(r["event"], r["request_id"], r["callback"]) for r in logs] == [
+        ("done_callback_failed", lc.request_id, repr(late_bug))
+    ]

@@ -51,6 +51,7 @@ from hypothesis.stateful import (
 
 from lifecycle import (
     TERMINAL,
+    Event,
     FailureReason,
     Journal,
     RequestLifecycle,
@@ -567,11 +568,11 @@ class CoreMachine(RuleBasedStateMachine):
         op = self._pick(pick, [o for o in self.backend.ops if not o.resolved])
         if op is None:
             return
-        self.backend.resolve(op, outcome)
+        self._from_another_thread(lambda: self.backend.resolve(op, outcome))
         m = next(x for x in self.reqs if op in x.ops)
         self.inbox.append(("op", m, op))
         if quiesce == "now":
-            self.backend.quiesce(op)
+            self._from_another_thread(lambda: self.backend.quiesce(op))
         elif quiesce == "never":
             op.never = True
 
@@ -580,7 +581,24 @@ class CoreMachine(RuleBasedStateMachine):
         ops = [o for o in self.backend.ops if o.resolved and not o.quiesced]
         op = self._pick(pick, [o for o in ops if not o.never])
         if op is not None:
-            self.backend.quiesce(op)
+            self._from_another_thread(lambda: self.backend.quiesce(op))
+
+    def _from_another_thread(self, report: Callable[[], None]) -> None:
+        """A backend thread reports an op's result or quiescence: it may only
+        post to the inbox; the core's state changes in the next step alone."""
+        before, posted = self._core_state(), len(self.core.table.inbox)
+        report()
+        assert self._core_state() == before
+        assert len(self.core.table.inbox) == posted + 1
+
+    def _core_state(self) -> tuple[object, ...]:
+        core = self.core
+        reqs = sorted(core.table.requests(), key=lambda r: r.request_id)
+        return (
+            [(r.request_id, r.phase, r.unquiesced, r.op is None, len(r.ops)) for r in reqs],
+            core.quarantine(),
+            (core.done, dict(core.failed), core._running, len(core._releases)),
+        )
 
     # -- rules: other threads ----------------------------------------------------------
 
@@ -1282,3 +1300,34 @@ def test_the_core_posts_nothing_for_its_own_endings_and_forgets_their_deadlines(
     c.core.add_peer(peer_info("p1", variant=1))
     assert str(other.lc.error) == "peer p1 was replaced"
     assert req.lc.state is S.DONE
+
+
+class _AbortOnStart(Journal):
+    """A journal sink that, on the core's own thread, aborts another request."""
+
+    def __init__(self) -> None:
+        super().__init__(structlog.get_logger("test.abort-on-start"))
+        self.victim: RequestLifecycle | None = None
+
+    def transition(self, request_id: str, rec: TransitionRecord) -> None:
+        if rec.event is Event.START and self.victim is not None:
+            victim, self.victim = self.victim, None
+            victim.fail(R.ABORTED)
+
+
+def test_a_request_ended_by_user_code_on_the_stepping_thread_is_still_finished() -> None:
+    # User code running inside a step (a journal sink) ends a queued request.
+    # On the core's own thread nothing is posted to the inbox (the core's own
+    # endings are finished where they happen), so admission must notice the
+    # request is already terminal and finish it, not leave it RUNNING forever.
+    c = Core(max_in_flight=2)
+    journal = _AbortOnStart()
+    c.core.journal = journal
+    c.submit("a")
+    b = c.submit("b")
+    journal.victim = b.lc
+    res = c.step()
+    assert [(f.request_id, f.state, f.reason) for f in res.finished] == [("b", S.FAILED, R.ABORTED)]
+    assert [r.request_id for r in res.releases] == ["b"]
+    assert [op.rid for op in c.backend.ops] == ["a"]  # b never reached the backend
+    assert c.core._running == 1  # only a holds a slot
