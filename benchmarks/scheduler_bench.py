@@ -44,10 +44,10 @@ from .lifecycle_bench import _production_logging
 __all__ = ["run"]
 
 
-def _setup() -> tuple[LocalBackend, KVCache, KVCache]:
+def _setup(backend: LocalBackend | None = None) -> tuple[LocalBackend, KVCache, KVCache]:
     layout = KVLayout(num_layers=1, num_blocks=64, block_bytes=64, kv_split=False)
     src, dst = KVCache(layout), KVCache(layout)
-    backend = LocalBackend(workers=4)
+    backend = backend or LocalBackend(workers=4)
     backend.register_source(src)
     backend.register_peer("decode", dst)
     return backend, src, dst
@@ -183,11 +183,7 @@ class _InlineBackend(LocalBackend):
 
 def breakdown(n: int = 20_000, batch: int = 64) -> dict[str, float]:
     """CPU us per request, one thread, garbage collector paused (see module doc)."""
-    layout = KVLayout(num_layers=1, num_blocks=64, block_bytes=64, kv_split=False)
-    src, dst = KVCache(layout), KVCache(layout)
-    backend = _InlineBackend(workers=1)
-    backend.register_source(src)
-    backend.register_peer("decode", dst)
+    backend, src, dst = _setup(_InlineBackend(workers=1))
     sched = Scheduler(backend, src, workers=batch, default_deadline_s=60.0, driver="external")
     jobs: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
     sched._callbacks.extend = jobs.extend  # type: ignore[method-assign,assignment]

@@ -48,7 +48,17 @@ _UNRESOLVED: Any = object()
 _PROXY = type(structlog.get_logger())  # the lazy proxy get_logger() returns
 # make_filtering_bound_logger's classes, one per level: their filtering is
 # fixed when the class is made (a stdlib-backed logger's is not).
-_FIXED_LEVEL = frozenset(structlog.make_filtering_bound_logger(n) for n in (0, 10, 20, 30, 40, 50))
+_FIXED_LEVEL = frozenset(
+    structlog.make_filtering_bound_logger(n)
+    for n in (
+        logging.NOTSET,
+        logging.DEBUG,
+        logging.INFO,
+        logging.WARNING,
+        logging.ERROR,
+        logging.CRITICAL,
+    )
+)
 
 # Enum .name/.value are Python-level properties: look them up in C instead.
 _NAME: dict[TransferState | FailureReason | None, str | None] = {

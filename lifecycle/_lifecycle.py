@@ -229,10 +229,7 @@ class RequestLifecycle:
         self._settler = threading.get_ident()
         for fn in callbacks:
             try:
-                try:
-                    fn(self)
-                except Exception:  # as _run_callback, inlined: once per request
-                    _log_callback_error(fn, self)  # may raise too (a failing sink)
+                _run_callback(fn, self)  # logging its error may raise too (a failing sink)
             except BaseException as exc:
                 if interrupt is None:
                     interrupt = exc

@@ -79,7 +79,7 @@ class ScheduledLifecycle(RequestLifecycle):
         request; it runs first and inline, in the thread that ended it."""
         super().__init__(request_id, max_attempts=max_attempts, journal=journal)
         self._defer = defer
-        self._callbacks = [ended]
+        super().add_done_callback(ended)  # the base class: inline, not deferred
 
     def take_request(self) -> Request | None:
         """The request, the first time only (the scheduler's hook calls it)."""
