@@ -1,6 +1,6 @@
 """Data path and failure detection on real Mooncake, through the Scheduler.
 
-Two processes on loopback: a ``transfer.receiver`` decode child and this
+Two processes on loopback: a ``kvguard.decode.service`` decode child and this
 process's MooncakeBackend. Every ratio compares runs on the same engine and
 the same registered memory, interleaved (A B A B ...) so that drift on a noisy
 2-core machine hits both sides alike.
@@ -37,12 +37,12 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from kvguard.decode.service import ReceiverProcess
 from lifecycle import TERMINAL, TransferState
 from scheduler import Scheduler
 from transfer import KVCache, KVLayout, TransferPlan, build_plan, plan_entries_naive
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests
-from transfer.receiver import ReceiverProcess
 
 __all__ = ["run"]
 

@@ -1,6 +1,6 @@
 """Soak: 100k requests with fault injection through real Mooncake.
 
-A ``transfer.receiver`` decode child on loopback and, in this process, a
+A ``kvguard.decode.service`` decode child on loopback and, in this process, a
 ``MooncakeBackend`` wrapped in ``FaultInjectingBackend`` (engine error codes,
 raising bindings, hung calls, half-failed plans) under one ``Scheduler``.
 Requests are tiny, so the run measures bookkeeping, not bandwidth. Every
@@ -45,6 +45,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from kvguard.decode.service import ReceiverProcess
 from lifecycle import RequestLifecycle, TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
 from scheduler.trace import percentiles
@@ -52,7 +53,6 @@ from transfer import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan, KVCa
 from transfer.backend import TransferOp
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests
-from transfer.receiver import ReceiverProcess
 
 __all__ = ["SoakConfig", "SoakReport", "main", "soak"]
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import structlog
 
+from kvguard.decode.service import ReceiverProcess
 from transfer import (
     KVCache,
     KVLayout,
@@ -35,7 +36,6 @@ from transfer import (
     plan_entries_naive,
 )
 from transfer.mooncake import MooncakeBackend
-from transfer.receiver import ReceiverProcess
 
 __all__ = ["main", "run"]
 

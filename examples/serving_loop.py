@@ -102,11 +102,11 @@ def local_decode(src: KVCache) -> Decode:
 
 
 def mooncake_decode(src: KVCache) -> Decode:
-    """A decode process (``python -m transfer.receiver``) owning a KV cache
+    """A decode process (``python -m kvguard.decode.service``) owning a KV cache
     registered with Mooncake; P2P handshake over TCP on 127.0.0.1."""
+    from kvguard.decode.service import ReceiverProcess
     from transfer.mooncake import MooncakeBackend
     from transfer.peer_protocol import block_digests
-    from transfer.receiver import ReceiverProcess
 
     proc = ReceiverProcess(LAYOUT)
     proc.start()  # prints its PeerInfo (session id, registered regions) when ready

@@ -4,7 +4,7 @@
 shape), blocking and asyncio waits, abort, deadlines, peer liveness, retries,
 release after quiesce and metrics. Inside it, a sans-I/O core is stepped by a
 thread, an asyncio task (``run_async``) or the host's loop (``step``).
-``kvguard`` (scheduler.cli) is the CLI.
+``kvguard`` (kvguard.cli) is the CLI.
 Observability (docs/observability.md): ``JsonlJournal`` writes the
 transition journal and ``read_journal`` replays it; ``register_metrics``
 exports Prometheus metrics; ``StuckInspector`` finds overdue live requests

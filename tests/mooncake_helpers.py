@@ -1,7 +1,7 @@
 """Process fixtures for the real-engine tests.
 
 The prefill side runs in the test process (a ``MooncakeBackend``); every
-decode peer is a ``python -m transfer.receiver`` child owned by pid through
+decode peer is a ``python -m kvguard.decode.service`` child owned by pid through
 ``ReceiverProcess``, so a test can kill or freeze it. Everything started here
 is stopped in a ``finally``.
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
+from kvguard.decode.service import ReceiverProcess
 from transfer import KVCache, KVLayout
 from transfer.mooncake import MooncakeBackend, import_engine
 from transfer.peer_protocol import block_digests
-from transfer.receiver import ReceiverProcess
 
 
 def _mooncake_importable() -> bool:

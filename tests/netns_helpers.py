@@ -10,7 +10,7 @@ deletes the veth pair with them.
 Both sides run as child processes inside their namespace (``ip netns exec``
 execs, so the child's pid is the Python process itself and is killed by pid):
 
-* decode: ``python -m transfer.receiver --ip <addr>`` (``netns_receiver``);
+* decode: ``python -m kvguard.decode.service --ip <addr>`` (``netns_receiver``);
 * prefill: this file run as a script (``PrefillDriver``): a MooncakeBackend
   bound to its namespace's address and a ``Scheduler``, driven by one JSON
   command per stdin line, answering one JSON line each on stdout.
@@ -258,7 +258,7 @@ def netns_receiver(pair: NetnsPair, layout: Any, *, ip: str | None = None, **kwa
     ``ip`` defaults to the decode side's veth address (with a metadata
     server: the session name, ``"addr:port"``).
     """
-    from transfer.receiver import ReceiverProcess
+    from kvguard.decode.service import ReceiverProcess
 
     proc = ReceiverProcess(layout, ip=ip or pair.decode.addr, **kwargs)
     # `ip netns exec` execs the command: the pid ReceiverProcess owns and

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from mooncake_helpers import receiver, requires_mooncake, wait_until
 from structlog.testing import capture_logs
 
+from kvguard.decode.service import ReceiverProcess
 from transfer import (
     InvalidPlan,
     KVCache,
@@ -50,7 +51,6 @@ from transfer.peer_protocol import (
     peer_info_from_message,
     peer_info_to_message,
 )
-from transfer.receiver import ReceiverProcess
 
 LAYOUT = KVLayout(num_layers=1, num_blocks=8, block_bytes=32)  # K and V: 2 buffers
 SID = "10.0.0.2:15000"
@@ -367,7 +367,7 @@ def test_each_malformed_request_gets_its_exact_error(frame: bytes, match: str) -
 
 def _bare_receiver(layout: KVLayout = LAYOUT) -> Any:
     """A Receiver without an engine: ``handle`` only touches its cache."""
-    from transfer.receiver import Receiver
+    from kvguard.decode.service import Receiver
 
     rx = object.__new__(Receiver)
     rx.cache = KVCache(layout)

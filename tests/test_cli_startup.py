@@ -17,7 +17,7 @@ HEAVY = ("torch", "mooncake", "numpy")
 
 def _imported(*args: str) -> set[str]:
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "scheduler.cli", *args],
+        [sys.executable, "-X", "importtime", "-m", "kvguard.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -38,7 +38,7 @@ def journal(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             sys.executable,
             "-m",
-            "scheduler.cli",
+            "kvguard.cli",
             "run",
             "--backend",
             "local",

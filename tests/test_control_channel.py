@@ -1,4 +1,4 @@
-"""The control channel (transfer.control): frames, request ids, deadlines, limits.
+"""The control channel (kvguard.decode.control): frames, request ids, deadlines, limits.
 
 In process, a ``ControlServer`` answers with an engine-less ``Receiver`` (its
 ``handle`` only touches its cache) or with a hand-written fake that lies:
@@ -26,8 +26,14 @@ import pytest
 import zmq
 from mooncake_helpers import requires_mooncake
 
+from kvguard.decode.control import (
+    ControlClient,
+    ControlServer,
+    DecodeClient,
+    ServiceTimeout,
+    endpoint_of,
+)
 from transfer import KVCache, KVLayout, PeerProtocolError
-from transfer.control import ControlClient, ControlServer, DecodeClient, ServiceTimeout, endpoint_of
 from transfer.peer_protocol import (
     DIGEST_SIZE,
     MAX_REPLY_BYTES,
@@ -42,7 +48,7 @@ SID = "10.0.0.2:15000"
 
 
 def _bare_receiver(layout: KVLayout) -> Any:
-    from transfer.receiver import Receiver
+    from kvguard.decode.service import Receiver
 
     rx = object.__new__(Receiver)
     rx.cache = KVCache(layout)
@@ -322,7 +328,7 @@ def _decode_service(*extra: str) -> tuple[subprocess.Popen[str], str]:
         [
             sys.executable,
             "-m",
-            "scheduler.cli",
+            "kvguard.cli",
             "decode",
             "--listen=127.0.0.1:0",
             f"--layers={SMALL['layers']}",
@@ -348,7 +354,7 @@ def _decode_service(*extra: str) -> tuple[subprocess.Popen[str], str]:
 @requires_mooncake
 @pytest.mark.mooncake
 def test_kvguard_run_drives_a_decode_service_over_tcp_and_it_stops_cleanly() -> None:
-    from scheduler.run import RunConfig, run
+    from kvguard.run import RunConfig, run
 
     proc, address = _decode_service()
     try:
@@ -373,7 +379,7 @@ def test_kvguard_run_drives_a_decode_service_over_tcp_and_it_stops_cleanly() -> 
 
 
 def test_run_refuses_to_kill_or_freeze_a_remote_service() -> None:
-    from scheduler.run import RunConfig
+    from kvguard.run import RunConfig
 
     for bad, match in [
         ({"kill_decode_after": 3}, "--kill-decode-after"),
@@ -386,7 +392,7 @@ def test_run_refuses_to_kill_or_freeze_a_remote_service() -> None:
 
 def test_run_against_nothing_fails_typed_within_its_deadline(tmp_path: Path) -> None:
     pytest.importorskip("mooncake.engine")
-    from scheduler.cli import main
+    from kvguard.cli import main
 
     start = time.monotonic()
     code = main(["run", "--decode", f"ipc://{tmp_path}/nobody", "--requests", "1", "--no-progress"])
@@ -396,7 +402,7 @@ def test_run_against_nothing_fails_typed_within_its_deadline(tmp_path: Path) -> 
 
 def test_decode_on_a_wildcard_address_needs_the_address_peers_use() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", "decode", "--listen=0.0.0.0:0"],
+        [sys.executable, "-m", "kvguard.cli", "decode", "--listen=0.0.0.0:0"],
         capture_output=True,
         text=True,
         timeout=60,

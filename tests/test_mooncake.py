@@ -31,6 +31,7 @@ from mooncake_helpers import (
 )
 from structlog.testing import capture_logs
 
+from kvguard.decode.service import ReceiverProcess
 from lifecycle import FailureReason
 from transfer import (
     Batch,
@@ -51,7 +52,6 @@ from transfer.backend import PeerInfo, Region
 from transfer.errors import BackendClosed, PeerProtocolError
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
-from transfer.receiver import ReceiverProcess
 
 pytestmark = [pytest.mark.mooncake, requires_mooncake]
 

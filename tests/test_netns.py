@@ -42,9 +42,9 @@ from netns_helpers import (
     sweep_stale,
 )
 
+from kvguard.decode.service import ReceiverProcess
 from transfer import KVLayout
 from transfer.peer_protocol import peer_info_to_message
-from transfer.receiver import ReceiverProcess
 
 UNAVAILABLE = netns_unavailable()
 IP_NETNS = [IP, "netns"]

@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from kvguard.cli import main
+from kvguard.run import RunConfig, run
 from lifecycle import Event, FailureReason, TransferState
 from scheduler import (
     Replay,
@@ -32,8 +34,6 @@ from scheduler import (
     serve_metrics,
     stuck_requests,
 )
-from scheduler.cli import main
-from scheduler.run import RunConfig, run
 from transfer import KVCache, KVLayout
 from transfer.faults import FaultInjectingBackend, FaultKind, FaultPlan
 from transfer.local import LocalBackend
@@ -106,7 +106,7 @@ def watched_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WatchedRun
     journal, summary = tmp / "j.jsonl", tmp / "s.json"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "scheduler.cli", "run", "--backend", "local",
+            sys.executable, "-m", "kvguard.cli", "run", "--backend", "local",
             "--fault-rate", "0.3", "--requests", str(REQUESTS), "--deadline", "1.5",
             "--journal", str(journal), "--json", str(summary), "--no-progress",
             "--metrics-port", "0", "--stuck-after", "0.3",
@@ -425,7 +425,7 @@ def test_mooncake_run_journal_matches_summary(
     journal, summary_path = tmp_path / "j.jsonl", tmp_path / "s.json"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "scheduler.cli", "run", "--backend", "mooncake",
+            sys.executable, "-m", "kvguard.cli", "run", "--backend", "mooncake",
             "--fault-rate", "0.3", "--requests", "30", "--deadline", "1",
             "--journal", str(journal), "--json", str(summary_path), "--no-progress",
         ],

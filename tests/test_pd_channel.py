@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from scheduler.vllm_kv.protocol import Abort, decode_from_decode, encode
-from scheduler.vllm_kv.receiver import DecodeReceiver, Outcome
-from scheduler.vllm_kv.sender import PrefillSender
+from kvguard.vllm.decode_loads import DecodeReceiver, Outcome
+from kvguard.vllm.prefill_pushes import PrefillSender
+from kvguard.vllm.protocol import Abort, decode_from_decode, encode
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
 from transfer.peer_protocol import peer_message_of
 

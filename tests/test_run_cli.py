@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.run import RunSummary
+from kvguard.run import RunSummary
 
-RUN = [sys.executable, "-m", "scheduler.cli", "run", "--no-progress"]
+RUN = [sys.executable, "-m", "kvguard.cli", "run", "--no-progress"]
 SMALL = ["--layers", "2", "--blocks", "256", "--block-bytes", "4096", "--blocks-per-request", "8"]
 
 
@@ -179,8 +179,8 @@ def test_unanswered_verification_while_decode_alive_fails_the_job(
     # numpy in the child) left every DONE request unverified and the job said OK.
     import io
 
-    from scheduler import run as run_mod
-    from scheduler._run_decode import LocalDecode
+    from kvguard.run.decode import LocalDecode
+    from kvguard import run as run_mod
 
     monkeypatch.setattr(LocalDecode, "digests", lambda *_args: None)
     out = io.StringIO()

@@ -1,7 +1,7 @@
 """The Scheduler over the real Mooncake engine: two processes on 127.0.0.1.
 
 The prefill side (this process) is a MooncakeBackend, optionally wrapped by
-a FaultInjectingBackend; the decode peer is a ``transfer.receiver`` child
+a FaultInjectingBackend; the decode peer is a ``kvguard.decode.service`` child
 that the tests kill (SIGKILL) or freeze (SIGSTOP), and that answers
 per-block sha256 digests for the integrity checks (I7). A ``Recorder``
 outermost backend attributes every op to its request, so that the release
@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 from mooncake_helpers import prefill_backend, receiver, requires_mooncake, wait_until
 
+from kvguard.decode.service import ReceiverProcess
 from lifecycle import TERMINAL, FailureReason, RequestLifecycle, TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
 from transfer import (
@@ -34,7 +35,6 @@ from transfer import (
 )
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests
-from transfer.receiver import ReceiverProcess
 
 pytestmark = [pytest.mark.mooncake, requires_mooncake]
 

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvguard.decode.service import ReceiverProcess
 from lifecycle import TERMINAL, FailureReason, RequestLifecycle, TransferState
 from scheduler import (
     DuplicateRequest,
@@ -60,7 +61,6 @@ from transfer import (
 )
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests
-from transfer.receiver import ReceiverProcess
 
 LAYOUT = KVLayout(num_layers=1, num_blocks=32, block_bytes=32)
 PEER = "decode-0"

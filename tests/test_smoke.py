@@ -8,7 +8,7 @@ from lifecycle import TERMINAL, TransferState
 
 def test_diagram_is_current() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler.cli", "diagram", "--check"],
+        [sys.executable, "-m", "kvguard.cli", "diagram", "--check"],
         capture_output=True,
         text=True,
         check=False,

@@ -356,7 +356,7 @@ def test_mermaid_counts_label_edges_and_terminals() -> None:
 def test_diagram_check_fails_on_stale_file_and_passes_after_regenerating(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scheduler import cli  # imported here: the CLI pulls in the whole scheduler
+    from kvguard import cli  # imported here: the CLI pulls in the whole scheduler
 
     out = tmp_path / "docs" / "state-diagram.md"
     assert cli.main(["diagram", "--check", "--output", str(out)]) == 1  # missing
@@ -376,7 +376,7 @@ def test_kvguard_console_script_check(tmp_path: Path) -> None:
     # The real console script (two interpreter launches: the CLI imports the
     # whole scheduler, so keep this to the minimum).
     exe = shutil.which("kvguard")
-    cmd = [exe] if exe else [sys.executable, "-m", "scheduler.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "kvguard.cli"]
     out = tmp_path / "diagram.md"
     out.write_text(render_markdown().replace("FAILED", "FAILD"))
     stale = subprocess.run(

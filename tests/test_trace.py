@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from kvguard.cli import main
 from lifecycle import (
     TRANSITIONS,
     Event,
@@ -20,7 +21,6 @@ from lifecycle import (
     render_mermaid,
 )
 from scheduler import JournalError, JsonlJournal, read_journal
-from scheduler.cli import main
 from scheduler.trace import render_dot, summary_json
 
 S = TransferState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from scheduler.verify import SourceDigests, Verifier
+from kvguard.run.verify import SourceDigests, Verifier
 from transfer import KVCache, KVLayout
 from transfer.peer_protocol import block_digest_bytes
 

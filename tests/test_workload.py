@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.workload import BlockAllocator, runs
+from kvguard.run.workload import BlockAllocator, runs
 
 
 def test_clean_free_list_hands_out_runs() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.vllm_kv.connector import KVGuardConnector
+from kvguard.vllm.connector import KVGuardConnector
 
 
 class CorruptingKVGuardConnector(KVGuardConnector):

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--policy", default="fail")
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--connector", default="KVGuardConnector")
-    ap.add_argument("--module", default="scheduler.vllm_kv.connector")
+    ap.add_argument("--module", default="kvguard.vllm.connector")
     args = ap.parse_args()
 
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ base per buffer. Everything here ends up as engine addresses, so nothing is
 trusted; any violation is a ``PeerProtocolError`` naming the field (msgspec's
 ``$.regions[3][0]`` path, or the buffer's index).
 
-The wire format is framing-free on purpose: ``transfer.control`` carries
+The wire format is framing-free on purpose: ``kvguard.decode.control`` carries
 each message as one ZeroMQ frame, so no reply can run into the next one.
 
 Requests carry their kind in ``"cmd"``, replies in ``"type"``; a reply's tag

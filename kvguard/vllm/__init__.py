@@ -1,22 +1,23 @@
 """kvguard inside vLLM: a KV connector whose transfers are kvguard requests.
 
-The vLLM-facing class lives in ``scheduler.vllm_kv.connector`` and is the
+The vLLM-facing class lives in ``kvguard.vllm.connector`` and is the
 only module here that imports vLLM; load it with::
 
     kv_transfer_config={"kv_connector": "KVGuardConnector",
-                        "kv_connector_module_path": "scheduler.vllm_kv.connector", ...}
+                        "kv_connector_module_path": "kvguard.vllm.connector", ...}
 
 The rest is vLLM-free and type-checked with kvguard:
 
 * ``protocol``: the msgspec messages the two sides exchange over ZeroMQ.
-* ``sender``: the prefill side -- holds each finished request's blocks,
+* ``prefill_pushes``: the prefill side -- holds each finished request's blocks,
   pushes them through a kvguard ``Scheduler`` when the decode asks, and
   lets go of them only after kvguard released them (terminal AND quiesced),
   or at the hold deadline when no decode asked.
-* ``receiver``: the decode side -- asks the prefill to push, and ends every
+* ``decode_loads``: the decode side -- asks the prefill to push, and ends every
   wait at the first of: the prefill's verdict, the prefill's death (the
   TCP connection drops), its silence (ZeroMQ heartbeats) or the deadline.
 
-Nothing in ``scheduler`` imports this package: kvguard runs without vLLM.
+Nothing in the libraries (``lifecycle``, ``transfer``, ``scheduler``) imports
+this package: kvguard runs without vLLM.
 See docs/vllm.md.
 """

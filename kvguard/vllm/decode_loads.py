@@ -32,7 +32,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer.control import endpoint_of
+from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 

@@ -41,10 +41,10 @@ from typing import Final
 import structlog
 import zmq
 
+from kvguard.decode.control import endpoint_of
 from lifecycle import TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
 from transfer import PeerInfo, TransferBackend
-from transfer.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.layout import KVCache
 from transfer.peer_protocol import peer_info_of

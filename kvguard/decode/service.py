@@ -5,7 +5,7 @@ and answers the control requests of ``peer_protocol`` (what it advertises,
 block digests, zero, ping). ``serve`` puts it on a ``control.ControlServer``
 until stopped. Run as a process::
 
-    python -m transfer.receiver --listen HOST:PORT|ipc://PATH --layers L --blocks B \\
+    python -m kvguard.decode.service --listen HOST:PORT|ipc://PATH --layers L --blocks B \\
         --block-bytes N [--no-kv-split] [--ip ENGINE_IP] [--exit-with-stdin]
 
 (``kvguard decode`` is the same service.) It prints one line once it
@@ -38,13 +38,12 @@ from typing import IO, Any, Final
 import msgspec
 import structlog
 
-from .backend import PeerInfo
-from .control import ControlServer, DecodeClient, endpoint_of
-from .errors import PeerProtocolError
-from .layout import KVCache, KVLayout
-from .metadata import clear_stale
-from .mooncake import P2P_HANDSHAKE, MooncakeBackend, is_wildcard
-from .peer_protocol import (
+from transfer.backend import PeerInfo
+from transfer.errors import PeerProtocolError
+from transfer.layout import KVCache, KVLayout
+from transfer.metadata import clear_stale
+from transfer.mooncake import P2P_HANDSHAKE, MooncakeBackend, is_wildcard
+from transfer.peer_protocol import (
     DIGEST_SIZE,
     REPLY_OF,
     ChecksumReply,
@@ -62,7 +61,9 @@ from .peer_protocol import (
     parse_request,
     peer_message_of,
 )
-from .service_args import add_service_arguments
+
+from .args import add_service_arguments
+from .control import ControlServer, DecodeClient, endpoint_of
 
 __all__ = ["Receiver", "ReceiverProcess", "add_service_arguments", "main", "run_service"]
 
@@ -191,7 +192,7 @@ def _stop_at_eof(stop: threading.Event) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m transfer.receiver",
+        prog="python -m kvguard.decode.service",
         description="Serve a destination KV cache over Mooncake and a control channel.",
     )
     add_service_arguments(parser)
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class ReceiverProcess:
-    """A ``python -m transfer.receiver`` child, owned by pid. A context manager.
+    """A ``python -m kvguard.decode.service`` child, owned by pid. A context manager.
 
     It listens on an ipc socket in a private directory (a path, so it is
     reachable from any network namespace). Entering starts it and waits (at
@@ -236,7 +237,7 @@ class ReceiverProcess:
         self._argv = [
             sys.executable,
             "-m",
-            "transfer.receiver",
+            "kvguard.decode.service",
             f"--listen={self.endpoint}",
             "--exit-with-stdin",
             f"--layers={layout.num_layers}",

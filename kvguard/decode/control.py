@@ -31,9 +31,9 @@ from typing import Final, TypeVar
 import structlog
 import zmq
 
-from .backend import PeerInfo
-from .errors import PeerProtocolError, TransferTimeout
-from .peer_protocol import (
+from transfer.backend import PeerInfo
+from transfer.errors import PeerProtocolError, TransferTimeout
+from transfer.peer_protocol import (
     DIGEST_SIZE,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,

@@ -1,18 +1,18 @@
 """The command-line options of a decode service (``kvguard decode``,
-``python -m transfer.receiver``), in a module that imports neither torch nor
+``python -m kvguard.decode.service``), in a module that imports neither torch nor
 the engine, so that ``kvguard --help`` stays fast."""
 
 from __future__ import annotations
 
 import argparse
 
-from .metadata import P2P_HANDSHAKE
+from transfer.metadata import P2P_HANDSHAKE
 
 __all__ = ["add_service_arguments"]
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``kvguard decode`` and ``python -m transfer.receiver``.
+    """The options of ``kvguard decode`` and ``python -m kvguard.decode.service``.
 
     Defaults match ``kvguard run``'s, so the two fit without repeating them.
     """

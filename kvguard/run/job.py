@@ -26,23 +26,23 @@ from typing import TextIO
 from prometheus_client import CollectorRegistry
 
 from lifecycle import FailureReason, TransferState
+from scheduler import Finished, RetryPolicy, Scheduler
+from scheduler.journal import JsonlJournal
+from scheduler.metrics import MetricsServer, register_metrics, serve_metrics
+from scheduler.stuck import StuckInspector
+from scheduler.trace import percentiles
 from transfer import KVCache, KVLayout, TransferBackend
 from transfer.faults import DEFAULT_FAULT_KINDS, FaultInjectingBackend, FaultPlan
 from transfer.plan import build_plan
 
-from ._run_decode import Decode, RegisterSource, make_decode
-from ._run_progress import Progress
-from ._run_records import RunConfig, RunSummary, print_summary
-from ._scheduler import Finished, RetryPolicy, Scheduler
-from .journal import JsonlJournal
-from .metrics import MetricsServer, register_metrics, serve_metrics
+from .decode import Decode, RegisterSource, make_decode
+from .progress import Progress
 from .raw_baseline import replay_raw
-from .stuck import StuckInspector
-from .trace import percentiles
+from .records import RunConfig, RunSummary, print_summary
 from .verify import SourceDigests, Verifier
 from .workload import BlockAllocator
 
-# RunConfig and RunSummary live in scheduler._run_records; callers import
+# RunConfig and RunSummary live in kvguard.run.records; callers import
 # them from here, the job's public entry point.
 __all__ = ["RunConfig", "RunSummary", "run"]
 

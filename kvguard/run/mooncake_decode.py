@@ -3,7 +3,7 @@
 Plain ``kvguard run`` starts one as a local child (``ReceiverProcess``), which
 it can kill or freeze; ``kvguard run --decode HOST:PORT`` drives one that
 ``kvguard decode --listen HOST:PORT`` runs elsewhere. Either way the run
-talks to it over the same control channel (``transfer.control``).
+talks to it over the same control channel (``kvguard.decode.control``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from kvguard.decode.control import DecodeClient, endpoint_of
+from kvguard.decode.service import ReceiverProcess
 from transfer import KVLayout, PeerInfo
-from transfer.control import DecodeClient, endpoint_of
 from transfer.metadata import MetadataMode, mode_of
 from transfer.mooncake import MooncakeBackend
-from transfer.receiver import ReceiverProcess
 
 if TYPE_CHECKING:
-    from .run import RunConfig
+    from .records import RunConfig
 
 __all__ = ["MooncakeDecode", "start_mooncake_decode"]
 

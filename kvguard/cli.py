@@ -20,7 +20,7 @@ DIAGRAM_PATH = Path(__file__).resolve().parents[1] / "docs" / "state-diagram.md"
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
     if args.counts is not None or args.format is not None:
-        from .trace import diagram_command
+        from scheduler.trace import diagram_command
 
         if args.check:
             print("kvguard diagram: --check takes no --counts/--format", file=sys.stderr)
@@ -93,14 +93,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from transfer.receiver import run_service
+    from kvguard.decode.service import run_service
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     return run_service(args, sys.stdout)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from .trace import trace_command
+    from scheduler.trace import trace_command
 
     return trace_command(args.journal, args.request, args.json, sys.stdout, sys.stderr)
 
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "listening and releases the engine. Exit status 0 after a clean stop, 2 if it "
         "cannot start.",
     )
-    from transfer.service_args import add_service_arguments
+    from kvguard.decode.args import add_service_arguments
 
     add_service_arguments(p)
     p.set_defaults(func=_cmd_decode)

@@ -1,0 +1,5 @@
+"""The decode service (``kvguard decode``): a Mooncake-registered KV cache
+advertised to prefills (``service``), its command-line arguments (``args``)
+and the ZeroMQ control channel both sides speak (``control``)."""
+
+__all__: list[str] = []
