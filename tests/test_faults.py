@@ -30,8 +30,8 @@ from transfer import (
     TransferTimeout,
     build_plan,
 )
-from transfer.backend import Region
 from transfer.errors import BackendClosed
+from transfer.regions import Region
 
 # One buffer and no runs: every block is one entry, so batch k holds block k
 # when max_batch_entries == 1.

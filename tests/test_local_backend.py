@@ -26,8 +26,9 @@ from transfer import (
     TransferTimeout,
     build_plan,
 )
-from transfer.backend import Batch, Region
+from transfer.backend import Batch
 from transfer.errors import BackendClosed
+from transfer.regions import Region
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=32, block_bytes=64)
 TIMEOUT = 10.0

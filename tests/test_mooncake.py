@@ -48,10 +48,11 @@ from transfer import (
     build_plan,
     plan_entries_naive,
 )
-from transfer.backend import PeerInfo, Region
+from transfer.backend import PeerInfo
 from transfer.errors import BackendClosed, PeerProtocolError
 from transfer.mooncake import MooncakeBackend
 from transfer.peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
+from transfer.regions import Region
 
 pytestmark = [pytest.mark.mooncake, requires_mooncake]
 

@@ -15,7 +15,6 @@ from lifecycle._lazy import lazy_getattr
 _LAZY = {
     "Batch": ".backend",
     "PeerInfo": ".backend",
-    "Region": ".backend",
     "TransferBackend": ".backend",
     "TransferOp": ".backend",
     "TransferPlan": ".backend",
@@ -47,10 +46,11 @@ _LAZY = {
     "MAX_BATCH_ENTRIES_LIMIT": ".plan",
     "build_plan": ".plan",
     "plan_entries_naive": ".plan",
+    "Region": ".regions",
 }
 
 if TYPE_CHECKING:
-    from .backend import Batch, PeerInfo, Region, TransferBackend, TransferOp, TransferPlan
+    from .backend import Batch, PeerInfo, TransferBackend, TransferOp, TransferPlan
     from .errors import (
         BackendClosed,
         Backpressure,
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
         build_plan,
         plan_entries_naive,
     )
+    from .regions import Region
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

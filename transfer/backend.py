@@ -21,14 +21,14 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
 from .errors import RemoteRangeRejected, TransferError, TransferTimeout
+from .regions import Region, RegionIndex
 
 if TYPE_CHECKING:  # layout.py imports this module
     from .layout import KVLayout
@@ -37,63 +37,12 @@ __all__ = [
     "Batch",
     "PeerInfo",
     "Quarantine",
-    "Region",
-    "RegionIndex",
     "TransferBackend",
     "TransferOp",
     "TransferPlan",
 ]
 
 _log = structlog.get_logger("kvguard.transfer")
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A registered memory range: [base, base + length)."""
-
-    base: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.base + self.length
-
-    def contains(self, addr: int, length: int) -> bool:
-        return length > 0 and self.base <= addr and addr + length <= self.end
-
-
-class RegionIndex:
-    """Sorted, immutable set of regions: is [addr, addr + length) inside one of them?
-
-    O(log regions) per range (bisect), so checking a plan is linear in its entries.
-    Overlapping regions are merged only as far as a range must lie in one region.
-    """
-
-    __slots__ = ("_ends", "_starts")
-
-    _starts: list[int]  # sorted bases
-    _ends: list[int]  # _ends[i] is the end of the region starting at _starts[i]
-
-    def __init__(self, regions: Iterable[Region]) -> None:
-        spans = sorted((r.base, r.end) for r in regions if r.length > 0)
-        self._starts = [s for s, _ in spans]
-        self._ends = [e for _, e in spans]
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-    def contains(self, addr: int, length: int) -> bool:
-        i = bisect_right(self._starts, addr) - 1
-        return i >= 0 and length > 0 and addr + length <= self._ends[i]
-
-    def first_outside(self, addrs: Iterable[int], lengths: Iterable[int]) -> tuple[int, int] | None:
-        """The first (addr, length) pair not inside one region, if any."""
-        starts, ends = self._starts, self._ends
-        for addr, length in zip(addrs, lengths, strict=True):
-            i = bisect_right(starts, addr) - 1
-            if i < 0 or length <= 0 or addr + length > ends[i]:
-                return addr, length
-        return None
 
 
 def check_destinations(plan: TransferPlan, regions: RegionIndex | None) -> None:

@@ -15,7 +15,8 @@ from itertools import pairwise
 
 import torch
 
-from .backend import PeerInfo, Region
+from .backend import PeerInfo
+from .regions import Region
 
 __all__ = ["KVCache", "KVLayout"]
 

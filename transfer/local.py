@@ -13,7 +13,6 @@ any device and never touches memory that was not registered.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +21,6 @@ import torch
 from .backend import (
     Batch,
     PeerInfo,
-    RegionIndex,
     TransferBackend,
     TransferOp,
     TransferPlan,
@@ -37,36 +35,33 @@ from .errors import (
     TransferError,
 )
 from .layout import KVCache
+from .regions import RegionIndex
 
 __all__ = ["LocalBackend"]
 
 
 class _AddressMap:
-    """Sorted, immutable index from addresses to (buffer tensor, offset)."""
+    """Immutable index from addresses to (buffer tensor, offset): a ``RegionIndex``
+    over the caches' buffers, with the tensor of each."""
 
-    __slots__ = ("_spans", "_starts")
+    __slots__ = ("_bases", "_index", "_tensors")
 
-    _starts: list[int]  # sorted region bases, parallel to _spans
-    _spans: list[tuple[int, torch.Tensor]]  # (region end, uint8 tensor at that base)
+    _index: RegionIndex  # over every buffer, in the order of _bases and _tensors
+    _bases: list[int]
+    _tensors: list[torch.Tensor]  # uint8, starting at the base of the same position
 
     def __init__(self, caches: list[KVCache]) -> None:
-        spans = sorted(
-            (base, base + c.layout.buffer_bytes, t)
-            for c in caches
-            for base, t in zip(c.buffer_bases(), c.tensors, strict=True)
-        )
-        self._starts = [s[0] for s in spans]
-        self._spans = [(s[1], s[2]) for s in spans]
+        regions = [r for c in caches for r in c.regions()]
+        self._index = RegionIndex(regions)
+        self._bases = [r.base for r in regions]
+        self._tensors = [t for c in caches for t in c.tensors]
 
     def resolve(self, addr: int, length: int) -> tuple[torch.Tensor, int] | None:
-        """The tensor and offset holding [addr, addr + length), if one region does."""
-        i = bisect_right(self._starts, addr) - 1
-        if i < 0 or length <= 0:
+        """The tensor and offset holding [addr, addr + length), if one buffer does."""
+        k = self._index.find(addr, length)
+        if k is None:
             return None
-        end, tensor = self._spans[i]
-        if addr + length > end:
-            return None
-        return tensor, addr - self._starts[i]
+        return self._tensors[k], addr - self._bases[k]
 
 
 _EMPTY = _AddressMap([])

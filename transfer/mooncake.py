@@ -71,8 +71,6 @@ from ._poller import EngineLoop, EngineOp, PeerCheck
 from .backend import (
     PeerInfo,
     Quarantine,
-    Region,
-    RegionIndex,
     TransferBackend,
     TransferOp,
     TransferPlan,
@@ -90,6 +88,7 @@ from .errors import (
     TransferError,
 )
 from .layout import KVCache
+from .regions import Region, RegionIndex
 
 __all__ = [
     "DEFAULT_MAX_PEER_ENTRIES",
@@ -626,4 +625,5 @@ def _check_sources(plan: TransferPlan, sources: RegionIndex, session: str) -> No
 
 
 def _reads_from(plan: TransferPlan, regions: tuple[Region, ...]) -> bool:
-    return any(any(r.base <= addr < r.end for r in regions) for b in plan.batches for addr in b.src)
+    index = RegionIndex(regions)
+    return any(index.contains(addr, 1) for b in plan.batches for addr in b.src)

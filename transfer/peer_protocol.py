@@ -19,16 +19,16 @@ is its request's tag, or ``"error"`` (``REPLY_OF``).
 from __future__ import annotations
 
 import hashlib
-from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 import torch
 
-from .backend import PeerInfo, Region
+from .backend import PeerInfo
 from .errors import PeerProtocolError
 from .layout import KVCache, KVLayout
+from .regions import Region, RegionIndex
 
 __all__ = [
     "DIGEST_SIZE",
@@ -226,14 +226,12 @@ def peer_info_of(msg: PeerMessage) -> PeerInfo:
         )
     regions = tuple(Region(base, length) for base, length in msg.regions)
     _check_disjoint(sid, "regions", sorted((r.base, r.end, i) for i, r in enumerate(regions)))
-    ordered = sorted(regions, key=lambda r: r.base)
     size = layout.buffer_bytes
     spans = sorted((base, base + size, i) for i, base in enumerate(bases))
     _check_disjoint(sid, "buffers", spans)
-    starts = [r.base for r in ordered]
-    for base, end, i in spans:
-        k = bisect_right(starts, base) - 1  # the only region that can hold it
-        if k < 0 or end > ordered[k].end:
+    index = RegionIndex(regions)
+    for base, _, i in spans:
+        if not index.contains(base, size):
             raise PeerProtocolError(
                 f"peer {sid}: buffer {i} [{base:#x}, +{size:#x}) lies in no advertised region",
                 peer=sid,

@@ -17,15 +17,14 @@ one region.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
-from operator import attrgetter
 
 import torch
 
-from .backend import Batch, PeerInfo, Region, TransferPlan
+from .backend import Batch, PeerInfo, TransferPlan
 from .errors import InvalidPlan, RemoteRangeRejected
 from .layout import KVCache, KVLayout
+from .regions import RegionIndex
 
 __all__ = [
     "DEFAULT_MAX_BATCH_ENTRIES",
@@ -179,33 +178,19 @@ def _check_peer_regions(peer: PeerInfo, lo_blk: int, hi_blk: int, blocks: Sequen
     Fast path: the span from the lowest to the highest block of a buffer fits
     in one region. Otherwise check block by block, which is exact.
     """
-    regions = sorted(peer.regions, key=_base)
-    starts = [r.base for r in regions]
+    regions = RegionIndex(peer.regions)
     size = peer.layout.block_bytes
     for i, base in enumerate(peer.block_base):
-        if _find_region(regions, starts, base + lo_blk * size, (hi_blk - lo_blk + 1) * size):
+        if regions.contains(base + lo_blk * size, (hi_blk - lo_blk + 1) * size):
             continue
         for blk in blocks:
             addr = base + blk * size
-            if not _find_region(regions, starts, addr, size):
+            if not regions.contains(addr, size):
                 raise RemoteRangeRejected(
                     f"destination block {blk} of buffer {i} at [{addr:#x}, {addr + size:#x}) "
                     f"lies outside the regions peer {peer.session_id} advertised",
                     peer=peer.session_id,
                 )
-
-
-_base = attrgetter("base")
-
-
-def _find_region(regions: list[Region], starts: list[int], addr: int, length: int) -> bool:
-    i = bisect_right(starts, addr) - 1  # the nearest region starting at or before addr
-    if i < 0:
-        return False
-    if regions[i].contains(addr, length):
-        return True
-    # Overlapping regions (unusual) can hide a container behind the nearest base.
-    return any(r.contains(addr, length) for r in regions[:i])
 
 
 # -- construction --------------------------------------------------------------
