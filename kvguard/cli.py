@@ -105,6 +105,33 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return trace_command(args.journal, args.request, args.json, sys.stdout, sys.stderr)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvguard.proxy.config import config_from_args
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelName(args.log_level.upper())
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvguard proxy: {exc}", file=sys.stderr)
+        return 2
+    from kvguard.proxy import run_proxy
+
+    def ready(url: str) -> None:
+        print(f"kvguard proxy: listening on {url}", flush=True)
+
+    try:
+        run_proxy(config, args.host, args.port, on_ready=ready)
+    except OSError as exc:  # the listen address
+        print(f"kvguard proxy: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     # benchmarks/ ships with the project but is not a runtime dependency of
     # the library: import it only for this command.
@@ -227,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_service_arguments(p)
     p.set_defaults(func=_cmd_decode)
+
+    p = sub.add_parser(
+        "proxy",
+        help="serve one OpenAI endpoint in front of prefill and decode vLLM servers",
+        description="A PD proxy, the protocol of vLLM's toy proxy: each completion goes to a "
+        "prefill with max_tokens 1 and do_remote_decode, then to a decode with the "
+        "prefill's kv_transfer_params, whose reply is streamed back. Each leg has a "
+        "deadline; a failed leg answers an OpenAI-style error naming it. Serves until "
+        "SIGINT/SIGTERM (exit 0); exit 2 on a bad option or listen address.",
+    )
+    from kvguard.proxy.config import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(p)
+    p.set_defaults(func=_cmd_proxy)
 
     p = sub.add_parser(
         "bench",

@@ -65,7 +65,9 @@ def journal(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("args", [("--help",), ("diagram", "--check"), ("run", "--help")])
+@pytest.mark.parametrize(
+    "args", [("--help",), ("diagram", "--check"), ("run", "--help"), ("proxy", "--help")]
+)
 def test_commands_that_move_no_kv_import_no_torch(args: tuple[str, ...]) -> None:
     heavy = _imported(*args) & set(HEAVY)
     assert not heavy, f"kvguard {' '.join(args)} imported {sorted(heavy)}"
