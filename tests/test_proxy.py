@@ -579,6 +579,12 @@ VLLM_500 = json.dumps(error(500, "InternalServerError", "engine dead")).encode()
         (http_error(404, b'{"detail":"Not Found"}'), 404, "UpstreamError", "Not Found"),
         (http_error(503, b"  overloaded\n", "text/plain"), 503, "UpstreamError", "overloaded"),
         (
+            http_error(500, json.dumps(error(500, "InternalServerError", "")).encode()),
+            500,
+            "InternalServerError",
+            "HTTP 500, no message",
+        ),
+        (
             no_kv_params,
             502,
             "UpstreamProtocolError",
@@ -594,7 +600,7 @@ VLLM_500 = json.dumps(error(500, "InternalServerError", "engine dead")).encode()
             http_error(204, b""),
             502,
             "UpstreamProtocolError",
-            "unexpected HTTP 204: HTTP 204",
+            "unexpected HTTP 204: HTTP 204, no message",
         ),
     ],
 )

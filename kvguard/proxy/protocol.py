@@ -200,7 +200,9 @@ def upstream_http_error(where: str, status: int, data: bytes) -> ProxyError:
         detail = reply["detail"]
         message = detail if isinstance(detail, str) else json.dumps(detail)
     else:
-        message = data.decode(errors="replace").strip()[:_QUOTE_CHARS] or f"HTTP {status}"
+        message = data.decode(errors="replace").strip()[:_QUOTE_CHARS]
+    # vLLM answers some failures with an empty message (a chat without a tokenizer)
+    message = message.strip() or f"HTTP {status}, no message"
     if status < 400:  # a status the protocol has no use for (redirect, 204): not an error to copy
         return ProxyError.of(Failure.BAD_RESPONSE, f"{where}: unexpected HTTP {status}: {message}")
     return ProxyError(status, type_, f"{where}: {message}")
