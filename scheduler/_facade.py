@@ -29,7 +29,7 @@ import structlog
 
 from lifecycle import Journal, RequestLifecycle
 from transfer import PeerInfo, PeerLost, TransferBackend, TransferError, TransferPlan
-from transfer.layout import KVCache
+from transfer.cache import KVCache
 from transfer.plan import DEFAULT_MAX_BATCH_ENTRIES, build_plan
 
 from ._core import SchedulerCore, StepResult

@@ -18,6 +18,7 @@ _LAZY = {
     "TransferBackend": ".backend",
     "TransferOp": ".backend",
     "TransferPlan": ".backend",
+    "KVCache": ".cache",
     "BackendClosed": ".errors",
     "Backpressure": ".errors",
     "EngineError": ".errors",
@@ -35,7 +36,6 @@ _LAZY = {
     "FaultInjectingBackend": ".faults",
     "FaultKind": ".faults",
     "FaultPlan": ".faults",
-    "KVCache": ".layout",
     "KVLayout": ".layout",
     "LocalBackend": ".local",
     "MooncakeBackend": ".mooncake",
@@ -51,6 +51,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from .backend import Batch, PeerInfo, TransferBackend, TransferOp, TransferPlan
+    from .cache import KVCache
     from .errors import (
         BackendClosed,
         Backpressure,
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
         TransferTimeout,
     )
     from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
-    from .layout import KVCache, KVLayout
+    from .layout import KVLayout
     from .local import LocalBackend
     from .mooncake import MooncakeBackend
     from .peer_protocol import block_digests, peer_info_from_message, peer_info_to_message

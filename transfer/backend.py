@@ -23,15 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import structlog
 
 from .errors import RemoteRangeRejected, TransferError, TransferTimeout
+from .layout import KVLayout
 from .regions import Region, RegionIndex
-
-if TYPE_CHECKING:  # layout.py imports this module
-    from .layout import KVLayout
 
 __all__ = [
     "Batch",

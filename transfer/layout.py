@@ -1,24 +1,19 @@
-"""The shape of a paged KV cache and the torch tensors that hold it.
+"""The shape of a paged KV cache: what two sides of a transfer exchange.
 
 A cache is ``num_buffers`` contiguous byte buffers, one per (layer, K/V) -- or
 one per layer when K and V share a buffer (MLA). Every buffer holds
 ``num_blocks`` blocks of ``block_bytes`` each, so block ``b`` of buffer ``i``
-lives at ``buffer_bases[i] + b * block_bytes``. ``KVLayout`` is the pure
-description (what peers exchange); ``KVCache`` binds it to memory.
+lives at ``buffer_bases[i] + b * block_bytes``. ``KVLayout`` is this pure
+description; ``transfer.cache.KVCache`` binds it to torch tensors. Imports no
+torch, so peers and backends can name a layout without loading it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import pairwise
 
-import torch
-
-from .backend import PeerInfo
-from .regions import Region
-
-__all__ = ["KVCache", "KVLayout"]
+__all__ = ["KVLayout"]
 
 _INT_FIELDS = ("num_layers", "num_blocks", "block_bytes")
 _BOOL_FIELDS = ("kv_split",)
@@ -99,172 +94,3 @@ def _int_field(d: Mapping[str, object], name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"KVLayout.{name} must be an int, got {value!r}")
     return value
-
-
-def _as_bytes(t: torch.Tensor, index: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"KVCache buffer {index} is not a tensor: {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"KVCache buffer {index} is not contiguous (strides {t.stride()})")
-    return t.reshape(-1).view(torch.uint8)
-
-
-class KVCache:
-    """Paged KV cache: one contiguous uint8 torch tensor per buffer (layer x K/V).
-
-    Works for any device: addresses come from ``data_ptr`` and copies and
-    comparisons stay in torch, so CUDA tensors never round-trip to the host
-    except for the final "which blocks differ" answer.
-    """
-
-    __slots__ = ("_bases", "device", "layout", "tensors")
-
-    layout: KVLayout
-    tensors: tuple[torch.Tensor, ...]  # uint8, contiguous, len == layout.num_buffers
-    device: torch.device  # every tensor lives here
-    _bases: tuple[int, ...]  # data_ptr of each tensor; fixed for the tensors' lifetime
-
-    def __init__(
-        self,
-        layout: KVLayout,
-        *,
-        device: str | torch.device | None = None,
-        tensors: Sequence[torch.Tensor] | None = None,
-    ) -> None:
-        """Allocate zeroed buffers on ``device`` (default CPU), or wrap ``tensors``.
-
-        Wrapped tensors may have any dtype and shape; each must be contiguous
-        and hold exactly ``layout.buffer_bytes`` bytes. ``device``, if given,
-        must match theirs.
-        """
-        if not isinstance(layout, KVLayout):
-            raise ValueError(f"KVCache needs a KVLayout, got {type(layout).__name__}")
-        want = torch.device(device) if device is not None else None
-        if tensors is None:
-            dev = want if want is not None else torch.device("cpu")
-            views = tuple(
-                torch.zeros(layout.buffer_bytes, dtype=torch.uint8, device=dev)
-                for _ in range(layout.num_buffers)
-            )
-        else:
-            if len(tensors) != layout.num_buffers:
-                raise ValueError(
-                    f"KVCache needs {layout.num_buffers} tensors for {layout}, got {len(tensors)}"
-                )
-            views = tuple(_as_bytes(t, i) for i, t in enumerate(tensors))
-            for i, v in enumerate(views):
-                if v.numel() != layout.buffer_bytes:
-                    raise ValueError(
-                        f"KVCache buffer {i} holds {v.numel()} bytes, "
-                        f"layout needs {layout.buffer_bytes}"
-                    )
-            dev = views[0].device
-            for i, v in enumerate(views):
-                if v.device != dev:
-                    raise ValueError(f"KVCache buffer {i} is on {v.device}, buffer 0 on {dev}")
-            if want is not None and _normalize(want) != _normalize(dev):
-                raise ValueError(f"KVCache tensors are on {dev}, device={want} was asked")
-        self.layout = layout
-        self.tensors = views
-        self.device = dev
-        self._bases = tuple(v.data_ptr() for v in views)
-        # Overlapping buffers would alias blocks and be refused at registration.
-        spans = sorted((b, i) for i, b in enumerate(self._bases))
-        for (b0, i0), (b1, i1) in pairwise(spans):
-            if b0 + layout.buffer_bytes > b1:
-                raise ValueError(f"KVCache buffers {i0} and {i1} overlap in memory")
-
-    def __repr__(self) -> str:
-        return f"KVCache({self.layout}, device={self.device})"
-
-    # -- addresses --------------------------------------------------------------
-
-    def buffer_bases(self) -> tuple[int, ...]:
-        return self._bases
-
-    def regions(self) -> tuple[Region, ...]:
-        """One region per buffer, layout order: what a backend registers."""
-        size = self.layout.buffer_bytes
-        return tuple(Region(base, size) for base in self._bases)
-
-    def _check(self, buffer: int, block: int) -> None:
-        if not _is_int(buffer) or not 0 <= buffer < self.layout.num_buffers:
-            raise IndexError(f"buffer {buffer!r} out of range [0, {self.layout.num_buffers})")
-        if not _is_int(block) or not 0 <= block < self.layout.num_blocks:
-            raise IndexError(f"block {block!r} out of range [0, {self.layout.num_blocks})")
-
-    def block_addr(self, buffer: int, block: int) -> int:
-        self._check(buffer, block)
-        return self._bases[buffer] + block * self.layout.block_bytes
-
-    def block(self, buffer: int, block: int) -> torch.Tensor:
-        """A view (not a copy) of one block's bytes."""
-        self._check(buffer, block)
-        size = self.layout.block_bytes
-        return self.tensors[buffer][block * size : (block + 1) * size]
-
-    def peer_info(self, session_id: str) -> PeerInfo:
-        """What this cache advertises when it is the destination of transfers."""
-        return PeerInfo(session_id, self.regions(), self.layout, block_base=self._bases)
-
-    # -- contents ---------------------------------------------------------------
-
-    def fill_seeded(self, seed: int) -> None:
-        """Fill every buffer with deterministic pseudo-random bytes.
-
-        Deterministic for a given seed, layout and device type. Writes int64
-        words where alignment allows (~8x faster than bytewise; each word
-        carries 63 random bits), so hundreds of MiB take a fraction of a second.
-        """
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        for t in self.tensors:
-            words = t.numel() // 8 if t.storage_offset() % 8 == 0 else 0
-            if words:
-                t[: words * 8].view(torch.int64).random_(generator=gen)
-            if words * 8 < t.numel():
-                t[words * 8 :].random_(0, 256, generator=gen)
-
-    def blocks_equal(
-        self, other: KVCache, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> list[int]:
-        """Compare ``self[src_blocks[i]]`` with ``other[dst_blocks[i]]`` in every buffer.
-
-        Returns the sorted distinct destination block ids whose bytes differ in
-        any buffer; an empty list means the transfer is intact (invariant I7).
-        """
-        a, b = self.layout, other.layout
-        if (a.num_layers, a.block_bytes, a.kv_split) != (b.num_layers, b.block_bytes, b.kv_split):
-            raise ValueError(f"cannot compare blocks of incompatible layouts {a} and {b}")
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError(
-                f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks"
-            )
-        if not src_blocks:
-            return []
-        src_idx = _block_index(src_blocks, a.num_blocks, "source", self.device)
-        dst_idx = _block_index(dst_blocks, b.num_blocks, "destination", other.device)
-        differs = torch.zeros(len(dst_blocks), dtype=torch.bool, device=self.device)
-        for mine, theirs in zip(self.tensors, other.tensors, strict=True):
-            lhs = mine.view(a.num_blocks, a.block_bytes).index_select(0, src_idx)
-            rhs = theirs.view(b.num_blocks, b.block_bytes).index_select(0, dst_idx)
-            differs |= (lhs != rhs.to(self.device)).any(dim=1)
-        bad = differs.nonzero().flatten().tolist()
-        return sorted({int(dst_blocks[i]) for i in bad})
-
-
-def _normalize(dev: torch.device) -> tuple[str, int]:
-    # "cuda" and "cuda:0" name the same device when 0 is current; compare by
-    # type and resolved index.
-    if dev.type == "cuda" and dev.index is None:
-        return ("cuda", torch.cuda.current_device())
-    return (dev.type, dev.index if dev.index is not None else 0)
-
-
-def _block_index(
-    blocks: Sequence[int], num_blocks: int, side: str, device: torch.device
-) -> torch.Tensor:
-    for blk in blocks:
-        if not _is_int(blk) or not 0 <= blk < num_blocks:
-            raise ValueError(f"{side} block {blk!r} out of range [0, {num_blocks})")
-    return torch.tensor(list(blocks), dtype=torch.int64, device=device)

@@ -26,6 +26,7 @@ from .backend import (
     TransferPlan,
     check_destinations,
 )
+from .cache import KVCache
 from .errors import (
     BackendClosed,
     EngineError,
@@ -34,7 +35,6 @@ from .errors import (
     TransferCancelled,
     TransferError,
 )
-from .layout import KVCache
 from .regions import RegionIndex
 
 __all__ = ["LocalBackend"]

@@ -76,6 +76,7 @@ from .backend import (
     TransferPlan,
     check_destinations,
 )
+from .cache import KVCache
 from .errors import (
     BackendClosed,
     Backpressure,
@@ -87,7 +88,6 @@ from .errors import (
     TransferCancelled,
     TransferError,
 )
-from .layout import KVCache
 from .regions import Region, RegionIndex
 
 __all__ = [

@@ -26,8 +26,9 @@ import msgspec
 import torch
 
 from .backend import PeerInfo
+from .cache import KVCache
 from .errors import PeerProtocolError
-from .layout import KVCache, KVLayout
+from .layout import KVLayout
 from .regions import Region, RegionIndex
 
 __all__ = [

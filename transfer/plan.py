@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import torch
 
 from .backend import Batch, PeerInfo, TransferPlan
+from .cache import KVCache
 from .errors import InvalidPlan, RemoteRangeRejected
-from .layout import KVCache, KVLayout
+from .layout import KVLayout, _is_int
 from .regions import RegionIndex
 
 __all__ = [
@@ -87,10 +88,6 @@ def plan_entries_naive(
 
 
 # -- validation ----------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate(

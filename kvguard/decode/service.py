@@ -39,8 +39,9 @@ import msgspec
 import structlog
 
 from transfer.backend import PeerInfo
+from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
-from transfer.layout import KVCache, KVLayout
+from transfer.layout import KVLayout
 from transfer.metadata import clear_stale
 from transfer.mooncake import P2P_HANDSHAKE, MooncakeBackend, is_wildcard
 from transfer.peer_protocol import (

@@ -45,8 +45,8 @@ from kvguard.decode.control import endpoint_of
 from lifecycle import TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
 from transfer import PeerInfo, TransferBackend
+from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
-from transfer.layout import KVCache
 from transfer.peer_protocol import peer_info_of
 
 from .protocol import MAX_FRAME_BYTES, Abort, Push, Result, decode_from_decode, encode, truncate
