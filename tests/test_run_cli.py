@@ -179,8 +179,8 @@ def test_unanswered_verification_while_decode_alive_fails_the_job(
     # numpy in the child) left every DONE request unverified and the job said OK.
     import io
 
-    from kvguard.run.decode import LocalDecode
     from kvguard import run as run_mod
+    from kvguard.run.decode import LocalDecode
 
     monkeypatch.setattr(LocalDecode, "digests", lambda *_args: None)
     out = io.StringIO()
