@@ -11,40 +11,48 @@ An independent model of the request table predicts, for every request, the
 exact state and FailureReason each exit cause must produce, in the order the
 core applies them (calls from other threads at once; op results and probe
 results at the next step, in arrival order; then deadlines, backoffs,
-admission by priority). Checked after every rule:
+admission by priority). Checked after every rule, each check raising
+``InvariantViolated`` with the name of the property it guards (``CHECKS``):
 
 * I2: at most one terminal record per request, and it is the last; each
   request is reported at most once.
-* I3 / I5: the core's state and reason equal the model's, exactly.
+* I3 / I5: the core's state, reason and error equal the model's, exactly.
 * I4: after step(now), no request with deadline <= now is live or unreported.
 * I6: a release only of a terminal request whose ops all quiesced, at most
   once; and every request that was terminal and quiesced before a step is
   handed out by that step.
-* I8: every container of the core is bounded by the live requests.
+* I8: every container of the core is bounded by the live requests, and
+  after a drain (a rule, like any other) nothing is left.
 
-``test_the_state_machine_catches_seeded_bugs`` patches three bugs into the
-core and asserts that the machine fails on 10 of 10 seeds under the CI
-profile.
+Nothing fixes a scenario: the peers are set up, and every request (the
+first few in the initializer), op result, abort, peer change, clock move and
+drain is drawn by the search, through one rule (``ACTIONS``).
+``test_the_search_catches_each_seeded_bug_on_every_seed`` patches three bugs
+into the core, one at a time, and asserts that on each of 10 seeds the
+search finds it within ``SEARCH_EXAMPLES`` examples by the check of the
+invariant the bug breaks; the clean core runs the same seeds and budget.
+``python -m tests.seeded_report`` prints how many examples each catch took.
 """
 
 from __future__ import annotations
 
 import heapq
+import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pytest
 import structlog
+from hypothesis import HealthCheck, Verbosity, seed, settings
 from hypothesis import Phase as HPhase
-from hypothesis import seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -102,6 +110,9 @@ IDS = tuple(f"r{i}" for i in range(8))
 MAX_IN_FLIGHT = 2
 LOST_AFTER = 2
 PROBE_S = 0.5
+# Deadlines (s): the short ones meet their deadline in a few ticks, the long
+# ones live long enough for an op's result to decide them.
+DEADLINES = (0.1, 0.3, 0.7, 2.0, 5.0)
 RETRY = RetryPolicy(max_attempts=3, backoff_s=0.05, backoff_factor=2.0, backoff_max_s=0.2)
 
 # Outcome name -> (error or None, FailureReason, retryable).
@@ -273,9 +284,119 @@ class MPeer:
     failures: int = 0
 
 
+# The properties the machine checks, by the name its InvariantViolated carries.
+# A seeded bug counts as caught only by the check of the property it breaks;
+# any other exception is the harness failing, never a catch.
+CHECKS = {
+    "I1": "an event on a terminal request changes nothing and returns False",
+    "I2": "one terminal transition, the last, and one report per request",
+    "I3": "every worker exit leaves its request terminal",
+    "I4": "no request is live or unreported after the first step at or after its "
+    "deadline; next_at is no later than any deadline or backoff",
+    "I5": "each ending has the state, reason and error the model predicts",
+    "I6": "a release only of a terminal, quiesced request, exactly once, and as soon as it is both",
+    "I8": "every container is bounded by the live requests; a drain leaves nothing",
+    "admission": "the core submits exactly what the model admits, in priority order",
+    "counters": "done, failed and byte counters equal the reported outcomes",
+    "records": "each Finished names its request's attempt, peer, bytes and latency",
+    "peers": "peer changes fail exactly the peer's live requests, logged once",
+    "callbacks": "user callbacks run outside step(), once; waiters are woken once",
+    "sans-io": "a backend thread's report only posts to the inbox",
+    "submit": "submit refuses with the typed error of its cause",
+}
+
+
+class InvariantViolated(AssertionError):
+    """The core broke the property ``CHECKS[invariant]``."""
+
+    def __init__(self, invariant: str, detail: object) -> None:
+        assert invariant in CHECKS, invariant
+        super().__init__(f"{invariant} ({CHECKS[invariant]}): {detail}")
+        self.invariant = invariant
+
+
+@dataclass
+class Tally:
+    """What one search saw: examples started, and its first violation."""
+
+    examples: int = 0
+    first: tuple[str, int, int] | None = None  # (invariant, example, rule step)
+
+
+PICK = st.integers(0, 100)
+Act = tuple[str, tuple[object, ...]]
+# Everything the machine's one rule may do: action -> (weight, its arguments).
+# One rule, not one per action: hypothesis's swarm testing enables a random
+# subset of the rules in each example, and exposing a bug takes several
+# actions together (a submit, a step, a backend result, time passing), which
+# with one rule each were all enabled in few examples. The weights favour the
+# actions every story needs; the ones that end everything are rarer still
+# inside (close, remove_peer, mark_peer_lost, drain return at once unless go == 0).
+REQUEST = st.tuples(  # id, peer, plan (0: empty), deadline, priority, submit behaviours
+    st.sampled_from(IDS),
+    st.sampled_from(PEERS),
+    st.integers(0, 9),
+    st.sampled_from(DEADLINES),
+    st.integers(0, 2),
+    st.lists(st.sampled_from(BEHAVIOURS), max_size=3),
+)
+ACTIONS: dict[str, tuple[int, st.SearchStrategy[tuple[object, ...]]]] = {
+    "submit": (
+        3,
+        st.tuples(
+            st.lists(REQUEST, min_size=1, max_size=4),
+            # a removal racing the submit strands the peer until add_peer: rare
+            st.sampled_from(["none"] * 6 + ["remove", "replace", "same"]),
+        ),
+    ),
+    # the backend's threads
+    "resolve": (
+        3,
+        st.tuples(
+            PICK,
+            st.sampled_from(["ok", "engine", "backpressure", "error", *OUTCOMES]),
+            st.sampled_from(["now", "now", "later", "never"]),
+        ),
+    ),
+    "quiesce_late": (2, st.tuples(PICK)),
+    # the users' threads
+    "abort": (1, st.tuples(st.sampled_from(IDS))),
+    "wait": (1, st.tuples(st.sampled_from(IDS))),
+    "close": (1, st.tuples(st.integers(0, 9))),
+    # peer changes
+    "add_peer": (1, st.tuples(st.sampled_from(PEERS), st.integers(0, 1))),
+    "remove_peer": (1, st.tuples(st.sampled_from(PEERS), st.integers(0, 3))),
+    "mark_peer_lost": (1, st.tuples(st.sampled_from(PEERS), st.integers(0, 3))),
+    "probe_result": (
+        1,
+        # mostly alive: two failures in a row lose the peer and all its requests
+        st.tuples(
+            st.sampled_from(PEERS),
+            st.lists(st.sampled_from([True, True, False]), min_size=1, max_size=3),
+        ),
+    ),
+    # the driver
+    "tick": (3, st.tuples(st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25, 0.5]))),
+    "advance": (2, st.tuples(st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0]))),
+    "step": (1, st.just(())),
+    "hold_or_run_releases": (1, st.tuples(st.booleans())),
+    "run_callbacks": (1, st.tuples(st.integers(1, 5))),
+    "release_again": (1, st.tuples(PICK)),
+    "drain": (1, st.tuples(st.integers(0, 4))),
+}
+ACT = st.one_of(
+    *(st.tuples(st.just(name), args) for name, (w, args) in ACTIONS.items() for _ in range(w))
+)
+
+
 class CoreMachine(RuleBasedStateMachine):
+    tally = Tally()  # a search gives each run's subclass its own
+
     def __init__(self) -> None:
         super().__init__()
+        self.tally.examples += 1
+        self.example = self.tally.examples
+        self.steps = 0  # rules run so far in this example
         self.now = 0.0
         self.backend = SimBackend()
         self.deferred: deque[tuple[Callable[..., object], tuple[object, ...]]] = deque()
@@ -294,6 +415,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.peers: dict[str, MPeer] = {}
         self.inbox: list[tuple[str, object, object]] = []  # model of the core's inbox
         self.closed = False
+        self.drained = False
         self.in_step = False
         self.hold_releases = False
         self.held: deque[Request] = deque()
@@ -305,7 +427,8 @@ class CoreMachine(RuleBasedStateMachine):
         # Small compaction thresholds, so that 8 ids exercise the compaction.
         self._thresholds = (_core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN)
         _core._QUEUE_COMPACT_MIN = _deadlines._COMPACT_MIN = COMPACT_MIN
-        self.violations: list[str] = []  # found inside callbacks, which must not raise
+        # Found inside callbacks, which must not raise: (invariant, detail).
+        self.violations: list[tuple[str, str]] = []
         self.done_calls: dict[int, int] = {}  # id(lifecycle) -> user done-callback calls
         self.crashes: list[M] = []  # requests whose backend.submit raised
         self.expected_logs: list[tuple[str, str, tuple[tuple[str, object], ...]]] = []
@@ -314,19 +437,22 @@ class CoreMachine(RuleBasedStateMachine):
         _core._log = self.logs
         self.reported: list[M] = []
 
-    @initialize()
-    def start(self) -> None:
+    def check(self, ok: bool, invariant: str, *detail: object) -> None:
+        """The core's side of ``invariant`` holds; else the run fails by its name."""
+        if ok:
+            return
+        if self.tally.first is None:
+            self.tally.first = (invariant, self.example, self.steps)
+        raise InvariantViolated(invariant, detail)
+
+    @initialize(reqs=st.lists(REQUEST, max_size=8))
+    def start(self, reqs: list[tuple[str, str, int, float, int, list[str]]]) -> None:
+        # Both peers, and the requests the search draws live from the start
+        # (which ones, and whatever follows, is the search's).
         for sid in PEERS:
             self.core.add_peer(peer_info(sid))
             self.peers[sid] = MPeer(peer_info(sid))
-        # Live requests from the start, so that every example reaches each exit
-        # path: one hung, one the engine fails at once (non-retryable), and
-        # queued behind them one whose submit crashes, one whose submit raises
-        # SystemExit, one during whose submit another thread aborts r7, and
-        # one that fails retryably, backs off and retries.
-        first = ("hold", "instant:error", "hold", "crash", "exit", "race_abort", "instant:engine")
-        for i, script in enumerate(first):
-            self._submit(f"r{7 - i}", PEERS[i % 2], 1, 2.0, 0, [script], "none")
+        self.submit(reqs, "none")
 
     # -- the model ------------------------------------------------------------------
 
@@ -354,14 +480,14 @@ class CoreMachine(RuleBasedStateMachine):
     def attempt(self, m: M, round_done: list[M]) -> None:
         """The model of _start_attempt, for a queued or backing-off request."""
         behaviour = m.script.pop(0) if m.script else "hold"
-        assert self.cursor < len(self.backend.submits), f"{m.rid} was not started"
+        self.check(self.cursor < len(self.backend.submits), "admission", m.rid, "not started")
         rid, done_by_core, op = self.backend.submits[self.cursor]
-        assert (rid, done_by_core) == (m.rid, behaviour), "admission order differs"
+        self.check((rid, done_by_core) == (m.rid, behaviour), "admission", rid, "not", m.rid)
         raced = self.backend.raced.get(self.cursor)
         self.cursor += 1
         if raced is not None:
             victim = self.by_id[raced]
-            assert not victim.terminal, f"{raced} aborted twice"
+            self.check(not victim.terminal, "I1", raced, "aborted twice")
             self.end(victim, S.FAILED, R.ABORTED, None)
         m.attempt += 1
         m.state = S.TRANSFERRING
@@ -369,7 +495,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.end(m, S.FAILED, SUBMIT_RAISES[behaviour][1], (SUBMIT_RAISES[behaviour][0], None))
             self.crashes.append(m)
             return
-        assert op is not None
+        assert op is not None  # the sim records an op for every submit that returns
         m.phase = "running"
         m.op = op
         m.ops.append(op)
@@ -418,7 +544,7 @@ class CoreMachine(RuleBasedStateMachine):
             )
             for m in due:
                 if not m.terminal:
-                    self.backend_attempt(m, round_done)
+                    self.attempt(m, round_done)
             running = sum(m.phase in ("running", "backoff") for m in self.live())
             queue = [(-m.priority, m.order, m) for m in self.live() if m.phase == "queued"]
             heapq.heapify(queue)
@@ -426,17 +552,13 @@ class CoreMachine(RuleBasedStateMachine):
                 m = heapq.heappop(queue)[2]
                 if m.terminal:
                     continue
-                self.backend_attempt(m, round_done)
+                self.attempt(m, round_done)
                 running = sum(x.phase in ("running", "backoff") for x in self.live())
             if not round_done:
-                assert self.cursor == len(self.backend.submits), "the core started more"
+                more = self.backend.submits[self.cursor :]
+                self.check(not more, "admission", "the core started more", more)
                 return
             events = [("op", m, m.op) for m in round_done]
-
-    def backend_attempt(self, m: M, round_done: list[M]) -> None:
-        # The core calls backend.submit for it in this step; the sim records
-        # which op that was, and the model follows.
-        self.attempt(m, round_done)
 
     def model_probe(self, sid: str, ok: bool) -> None:
         peer = self.peers.get(sid)
@@ -452,23 +574,8 @@ class CoreMachine(RuleBasedStateMachine):
         if peer.alive and peer.failures >= LOST_AFTER:
             self.lose(sid, (PeerLost, sid))
 
-    # -- rules: submit ----------------------------------------------------------------
+    # -- submit ----------------------------------------------------------------------
 
-    @rule(
-        reqs=st.lists(
-            st.tuples(
-                st.sampled_from(IDS),
-                st.sampled_from(PEERS),
-                st.integers(0, 9),
-                st.sampled_from([0.1, 0.3, 0.7, 2.0]),
-                st.integers(0, 2),
-                st.lists(st.sampled_from(BEHAVIOURS), max_size=3),
-            ),
-            min_size=1,
-            max_size=4,
-        ),
-        race=st.sampled_from(["none", "none", "none", "remove", "replace", "same"]),
-    )
     def submit(self, reqs: list[tuple[str, str, int, float, int, list[str]]], race: str) -> None:
         """A few submits; peer changes may race the first one."""
         for i, (rid, peer, empty, deadline_s, priority, script) in enumerate(reqs):
@@ -488,7 +595,7 @@ class CoreMachine(RuleBasedStateMachine):
         try:
             info = table.peer_info(peer)
         except UnknownPeer:
-            assert peer not in self.peers
+            self.check(peer not in self.peers, "submit", "UnknownPeer for a known peer", peer)
             return
         batches = () if empty == 0 else (Batch((0x10,), (0x1000,), (8,)),)
         plan = TransferPlan(peer, batches, 8 * len(batches), len(batches))
@@ -502,19 +609,21 @@ class CoreMachine(RuleBasedStateMachine):
         try:
             core.accept(req, info)
         except SchedulerClosed:
-            assert self.closed
+            self.check(self.closed, "submit", "SchedulerClosed while open", rid)
             return
         except DuplicateRequest:
-            assert rid in self.by_id
+            self.check(rid in self.by_id, "submit", "DuplicateRequest for a free id", rid)
             return
         except UnknownPeer:
-            assert race == "remove" and peer not in self.peers
+            self.check(race == "remove" and peer not in self.peers, "submit", "UnknownPeer", rid)
             return
         except LookupError:
-            assert race == "replace" and self.peers[peer].info != info
+            ok = race == "replace" and self.peers[peer].info != info
+            self.check(ok, "submit", "LookupError without a replaced peer", rid)
             return
-        assert not self.closed and rid not in self.by_id and peer in self.peers
-        assert self.peers[peer].info == info
+        ok = not self.closed and rid not in self.by_id and peer in self.peers
+        self.check(ok, "submit", "accepted", rid, "closed" if self.closed else "taken or gone")
+        self.check(self.peers[peer].info == info, "submit", "accepted for a replaced peer", rid)
         self.backend.owner[id(plan)] = rid
         self.backend.script[rid] = deque(script)
         self.backend.lifecycles.append(req.lc)
@@ -533,7 +642,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     def user_done_callback(self, lc: RequestLifecycle) -> None:
         if self.in_step or not lc.is_terminal:
-            self.violations.append(f"done-callback of {lc!r} ran inside step() or early")
+            self.violations.append(("callbacks", f"done-callback of {lc!r} inside step or early"))
         self.done_calls[id(lc)] = self.done_calls.get(id(lc), 0) + 1
         if lc.request_id in ("r1", "r5"):
             raise SystemExit("a done-callback raising SystemExit")
@@ -543,27 +652,27 @@ class CoreMachine(RuleBasedStateMachine):
     def on_release(self, rid: str, fin: Finished) -> None:
         m = self.by_id[rid]
         if self.in_step:
-            self.violations.append(f"release of {rid} ran inside step()")
+            self.violations.append(("callbacks", f"release of {rid} ran inside step()"))
         if not (m.terminal and fin.state is m.state and fin.reason is m.reason):
-            self.violations.append(f"release of {rid}: not terminal as modelled: {fin}")
+            self.violations.append(("I6", f"release of {rid}: not terminal as modelled: {fin}"))
         if not all(op.quiesced for op in m.ops):
-            self.violations.append(f"I6: {rid} released before quiesce")
+            self.violations.append(("I6", f"{rid} released before quiesce"))
         if m.released:
-            self.violations.append(f"I6: {rid} released twice")
+            self.violations.append(("I6", f"{rid} released twice"))
         m.released += 1
         if rid in ("r3", "r6"):
             raise SystemExit("a release callback raising SystemExit")
 
-    # -- rules: the backend -----------------------------------------------------------
+    @rule(act=ACT)
+    def act(self, act: Act) -> None:
+        name, args = act
+        getattr(self, name)(*args)
+
+    # -- the backend ------------------------------------------------------------------
 
     def _pick(self, pick: int, ops: list[Op]) -> Op | None:
         return ops[pick % len(ops)] if ops else None
 
-    @rule(
-        pick=st.integers(0, 100),
-        outcome=st.sampled_from(["ok", "engine", "engine", "backpressure", *OUTCOMES]),
-        quiesce=st.sampled_from(["now", "now", "later", "never"]),
-    )
     def resolve(self, pick: int, outcome: str, quiesce: str) -> None:
         op = self._pick(pick, [o for o in self.backend.ops if not o.resolved])
         if op is None:
@@ -576,7 +685,6 @@ class CoreMachine(RuleBasedStateMachine):
         elif quiesce == "never":
             op.never = True
 
-    @rule(pick=st.integers(0, 100))
     def quiesce_late(self, pick: int) -> None:
         ops = [o for o in self.backend.ops if o.resolved and not o.quiesced]
         op = self._pick(pick, [o for o in ops if not o.never])
@@ -588,8 +696,8 @@ class CoreMachine(RuleBasedStateMachine):
         post to the inbox; the core's state changes in the next step alone."""
         before, posted = self._core_state(), len(self.core.table.inbox)
         report()
-        assert self._core_state() == before
-        assert len(self.core.table.inbox) == posted + 1
+        self.check(self._core_state() == before, "sans-io", "state changed outside step()")
+        self.check(len(self.core.table.inbox) == posted + 1, "sans-io", "not one post")
 
     def _core_state(self) -> tuple[object, ...]:
         core = self.core
@@ -600,69 +708,63 @@ class CoreMachine(RuleBasedStateMachine):
             (core.done, dict(core.failed), core._running, len(core._releases)),
         )
 
-    # -- rules: other threads ----------------------------------------------------------
+    # -- other threads ----------------------------------------------------------------
 
-    @rule(rid=st.sampled_from(IDS))
     def abort(self, rid: str) -> None:
         m = self.by_id.get(rid)
         if m is None:
             return
         won = m.req.lc.fail(R.ABORTED)
-        assert won == (not m.terminal)
+        self.check(won == (not m.terminal), "I1", rid, "abort won" if won else "abort lost")
         self.end(m, S.FAILED, R.ABORTED, None)
 
-    @rule(peer=st.sampled_from(PEERS), go=st.integers(0, 3))
     def remove_peer(self, peer: str, go: int) -> None:
         if go:
             return  # rarer than the other rules: it ends every request to the peer
         failed = self.core.remove_peer(peer)
         if peer not in self.peers:
-            assert failed is None
+            self.check(failed is None, "peers", "removed an unknown peer", peer, failed)
             return
         victims = [m for m in self.live() if m.peer == peer]
-        assert failed == len(victims)
+        self.check(failed == len(victims), "peers", "removal failed", failed, len(victims))
         self.expect_log("info", "peer_removed", peer=peer, live_requests=len(self.peers[peer].live))
         for m in victims:
             self.end(m, S.FAILED, R.PEER_LOST, (PeerLost, peer))
         del self.peers[peer]
 
-    @rule(peer=st.sampled_from(PEERS), variant=st.integers(0, 1))
     def add_peer(self, peer: str, variant: int) -> None:
         info = peer_info(peer, variant)
         failed = self.core.add_peer(info)
         old = self.peers.get(peer)
         if old is None:
             self.peers[peer] = MPeer(info, variant)
-            assert failed == 0
+            self.check(failed == 0, "peers", "a new peer failed requests", peer, failed)
             return
         victims = [m for m in self.live() if m.peer == peer] if old.info != info else []
-        assert failed == len(victims)
+        self.check(failed == len(victims), "peers", "re-adding failed", failed, len(victims))
         for m in victims:
             self.end(m, S.FAILED, R.PEER_LOST, (PeerLost, peer))
         old.info, old.variant, old.alive, old.failures = info, variant, True, 0
 
-    @rule(peer=st.sampled_from(PEERS), go=st.integers(0, 3))
     def mark_peer_lost(self, peer: str, go: int) -> None:
         if go:
             return
         error = PeerLost("by hand", peer=peer)
         failed = self.core.lose_peer(peer, error)
         if peer not in self.peers:
-            assert failed is None
+            self.check(failed is None, "peers", "lost an unknown peer", peer, failed)
             return
-        assert failed == sum(m.peer == peer for m in self.live())
+        victims = sum(m.peer == peer for m in self.live())
+        self.check(failed == victims, "peers", "losing failed", failed, victims)
         self.lose(peer, error)
 
-    @rule(peer=st.sampled_from(PEERS), results=st.lists(st.booleans(), min_size=1, max_size=3))
     def probe_result(self, peer: str, results: list[bool]) -> None:
         for ok in results:
             self.core.probe_result(peer, None if ok else PeerUnreachable("no", peer=peer))
             self.inbox.append(("probe", peer, ok))
 
-    @precondition(lambda self: not self.closed)
-    @rule(go=st.integers(0, 5))
     def close(self, go: int = 0) -> None:
-        if go:
+        if go or self.closed:
             return
         live = [m for m in self.reqs if not m.forgotten]
         self.core.shutdown()
@@ -670,19 +772,16 @@ class CoreMachine(RuleBasedStateMachine):
         for m in live:
             self.end(m, S.FAILED, R.SHUTDOWN, None)
 
-    # -- rules: the driver --------------------------------------------------------------
+    # -- the driver -------------------------------------------------------------------------
 
-    @rule(dt=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
 
-    @rule(dt=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25, 0.5]))
     def tick(self, dt: float) -> None:
         """The usual driver: time passes, then a step."""
         self.now += dt
         self.step()
 
-    @rule()
     def step(self) -> None:
         quiesced = {m.rid for m in self.reqs if m.terminal and not m.released}
         quiesced = {r for r in quiesced if all(o.quiesced for o in self.by_id[r].ops)}
@@ -691,19 +790,30 @@ class CoreMachine(RuleBasedStateMachine):
             res = self.core.step(self.now)
         finally:
             self.in_step = False
+        # I4 on the core's own evidence, before the model's view of the step:
+        # nothing is live past its deadline, nor started at or after it.
+        for m in self.reqs:
+            if m.deadline <= self.now and not m.forgotten:
+                self.check(m.req.lc.is_terminal, "I4", m.rid, "live after its deadline")
+        for rid, _, _ in self.backend.submits[self.cursor :]:
+            m = self.by_id[rid]
+            self.check(m.deadline > self.now, "I4", rid, "started after its deadline")
         self.model_step()
         for fin in res.finished:
             m = self.by_id[fin.request_id]
             m.reported += 1
-            assert m.reported == 1, f"I2: {m.rid} reported twice"
-            assert (fin.state, fin.reason) == (m.state, m.reason), (fin, m.state, m.reason)
-            assert fin.error is None or fin.error.__traceback__ is None
-            assert fin.error is m.req.lc.error and fin.attempt == m.attempt == m.req.lc.attempt
-            assert (fin.peer, fin.nbytes) == (m.peer, m.plan.nbytes if m.plan else -1)
-            assert fin.latency_s == pytest.approx(self.now - m.submitted)
+            self.check(m.reported == 1, "I2", m.rid, "reported twice")
+            got, want = (fin.state, fin.reason), (m.state, m.reason)
+            self.check(got == want, "I5", m.rid, got, want)
+            self.check(fin.error is None or fin.error.__traceback__ is None, "records", m.rid)
+            self.check(fin.error is m.req.lc.error, "records", m.rid, "error", fin.error)
+            self.check(fin.attempt == m.attempt == m.req.lc.attempt, "records", m.rid, fin.attempt)
+            nbytes = m.plan.nbytes if m.plan else -1
+            self.check((fin.peer, fin.nbytes) == (m.peer, nbytes), "records", fin)
+            self.check(fin.latency_s == pytest.approx(self.now - m.submitted), "records", fin)
             self.reported.append(m)
         out = {r.request_id for r in res.releases} | {r.request_id for r in self.held}
-        assert quiesced <= out, f"terminal and quiesced, not released: {quiesced - out}"
+        self.check(quiesced <= out, "I6", "terminal and quiesced, not released", quiesced - out)
         for r in res.releases:
             if self.hold_releases:
                 self.held.append(r)
@@ -713,24 +823,25 @@ class CoreMachine(RuleBasedStateMachine):
             wake()
         done = [m for m in self.reported if m.state is S.DONE]
         nbytes = sum(m.plan.nbytes for m in done if m.plan is not None)
-        assert (self.core.done, self.core.bytes_done) == (len(done), nbytes)
+        got_done = (self.core.done, self.core.bytes_done)
+        self.check(got_done == (len(done), nbytes), "counters", got_done, (len(done), nbytes))
         failed: dict[str, int] = {}
         for m in self.reported:
             if m.reason is not None:
                 failed[m.reason.name] = failed.get(m.reason.name, 0) + 1
-        assert {k: v for k, v in self.core.failed.items() if v} == failed
+        got_failed = {k: v for k, v in self.core.failed.items() if v}
+        self.check(got_failed == failed, "counters", got_failed, failed)
         # The core says when it next needs a step: no later than any deadline
         # or backoff of a live request.
         due = [m.deadline for m in self.live()]
         due += [m.retry_at for m in self.live() if m.phase == "backoff"]
         if due:
-            assert res.next_at is not None and res.next_at <= min(due)
-            assert res.next_at > self.now
-        # I4 exactly: at the first step at or after its deadline.
+            ok = res.next_at is not None and self.now < res.next_at <= min(due)
+            self.check(ok, "I4", "next_at", res.next_at, "now", self.now, "due", min(due))
+        # I4 exactly: reported by the first step at or after its deadline.
         for m in self.reqs:
             if m.deadline <= self.now and not m.forgotten:
-                assert m.req.lc.is_terminal, f"I4: {m.rid} live after its deadline"
-                assert m.reported == 1, f"I4: {m.rid} not reported by its deadline"
+                self.check(m.reported == 1, "I4", m.rid, "not reported by its deadline")
         self.check_sizes()
 
     def run_release(self, r: Request) -> None:
@@ -741,20 +852,17 @@ class CoreMachine(RuleBasedStateMachine):
         assert m.mpeer is not None
         m.mpeer.live.discard(m.order)
 
-    @rule(hold=st.booleans())
     def hold_or_run_releases(self, hold: bool) -> None:
         """A blocked release callback: later ones wait; the core goes on."""
         self.hold_releases = hold
         while not hold and self.held:
             self.run_release(self.held.popleft())
 
-    @rule(n=st.integers(1, 5))
     def run_callbacks(self, n: int) -> None:
         for _ in range(min(n, len(self.deferred))):
             fn, args = self.deferred.popleft()
             _contained(fn, args)
 
-    @rule(rid=st.sampled_from(IDS))
     def wait(self, rid: str) -> None:
         """A waiter (wait() in another thread): woken once, by the step that ends it."""
         m = self.by_id.get(rid)
@@ -762,15 +870,14 @@ class CoreMachine(RuleBasedStateMachine):
             return
         key = f"{rid}#{m.order}"
         if self.core.table.add_waker(m.req, lambda: self._woken(key)):
-            assert m.reported == 0, "a waiter registered after the report"
+            self.check(m.reported == 0, "callbacks", rid, "a waiter registered after the report")
             self.waiters[key] = self.waiters.get(key, 0) + 1
         else:
-            assert m.reported == 1
+            self.check(m.reported == 1, "callbacks", rid, "a waiter refused before the report")
 
     def _woken(self, key: str) -> None:
         self.wakes[key] = self.wakes.get(key, 0) + 1
 
-    @rule(pick=st.integers(0, 100))
     def release_again(self, pick: int) -> None:
         """A broken release path hands out a released request again: the
         detector counts it and does not call the callback."""
@@ -779,69 +886,20 @@ class CoreMachine(RuleBasedStateMachine):
             m = gone[pick % len(gone)]
             run_release(m.req, self.core.table, self.core.checks)
             self.double_expected += 1
-            assert m.released == 1
+            self.check(m.released == 1, "I6", m.rid, "released", m.released)
 
-    # -- checks --------------------------------------------------------------------
-
-    @invariant()
-    def model_agrees(self) -> None:
-        for m in self.reqs:
-            lc = m.req.lc
-            assert (lc.state, lc.reason) == (m.state, m.reason), (m.rid, lc, m.state, m.reason)
-            terminal = [h for h in lc.history if h.dest in TERMINAL]
-            assert len(terminal) == (1 if m.terminal else 0), lc.history
-            if terminal:
-                assert lc.history[-1] is terminal[0]
-        for m in self.reqs:
-            err, want = m.req.lc.error, m.error
-            if isinstance(want, tuple):
-                assert isinstance(err, want[0]), (m.rid, err, want)
-                assert want[1] is None or getattr(err, "peer", None) == want[1], (m.rid, err)
-            else:
-                assert err is want, (m.rid, err, want)
-        assert self.journal.count == sum(len(m.req.lc.history) for m in self.reqs)
-        logged = sorted(
-            (level, event, tuple(sorted(kw.items())))
-            for level, event, kw in self.logs.records
-            if event in ("peer_lost", "peer_removed", "peer_alive")
-        )
-        assert logged == sorted(self.expected_logs), (logged, self.expected_logs)
-        assert self.core.checks.before_quiesce == 0
-        assert self.core.checks.double == self.double_expected
-        assert not self.violations, self.violations
-        for m in self.reqs:
-            key = f"{m.rid}#{m.order}"
-            woken = self.wakes.get(key, 0)
-            assert woken == (self.waiters.get(key, 0) if m.reported else 0), (key, woken)
-
-    def check_sizes(self) -> None:
-        live = len(self.by_id)
-        sizes = self.core.sizes()
-        assert sizes["table"] == live
-        assert sizes["inbox"] == 0
-        for name in ("queue", "deadlines", "backoffs"):
-            assert sizes[name] <= 2 * live + 64, (name, sizes, live)
-        assert sizes["quarantine"] <= live
-        with self.core.lock:
-            count, nbytes = self.core.quarantine()
-        assert count == sizes["quarantine"] and nbytes == 8 * count
-
-    def teardown(self) -> None:
-        try:
-            self._wind_down()
-        finally:
-            _core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN = self._thresholds
-            _core._log = self._saved_log
-
-    def _wind_down(self) -> None:
+    def drain(self, go: int) -> None:
+        """Every deadline passes, the core closes, every op ends: nothing is left (I8)."""
+        if go or self.drained:
+            return  # rare: once drained, an example has little left to explore
+        self.drained = True
         # Every deadline passes (I4 for every request still live) ...
-        self.advance(3.0)
+        self.advance(max(DEADLINES) + 1.0)
         self.step()
         # ... then close with whatever is still quarantined: nothing is
         # released before its ops quiesce, even at shutdown ...
         self.hold_releases = False
-        if not self.closed:
-            self.close()
+        self.close()
         self.step()
         # ... then the hung ops return and quiesce late, after close: each
         # request is still released exactly once, and the core forgets it (I8).
@@ -855,29 +913,92 @@ class CoreMachine(RuleBasedStateMachine):
         self.step()
         self.hold_or_run_releases(False)
         self.step()
-        self.run_callbacks(len(self.deferred) + 1)
         while self.deferred:
             self.run_callbacks(len(self.deferred))
         self.model_agrees()
-        assert all(m.terminal and m.reported == 1 and m.released == 1 for m in self.reqs)
-        assert all(self.done_calls.get(id(m.req.lc)) == 1 for m in self.reqs), "done-callbacks"
+        for m in self.reqs:
+            self.check(m.terminal and m.reported == 1, "I2", m.rid, m.state, m.reported)
+            self.check(m.released == 1, "I6", m.rid, "released", m.released)
+            calls = self.done_calls.get(id(m.req.lc))
+            self.check(calls == 1, "callbacks", m.rid, "done-callback calls", calls)
         crashed = [kw for _, event, kw in self.logs.records if event == "worker_crashed"]
-        assert len(crashed) == len(self.crashes)
+        self.check(len(crashed) == len(self.crashes), "records", "crash logs", crashed)
         for m, kw in zip(self.crashes, crashed, strict=True):
             info = kw["exc_info"]
             assert isinstance(info, tuple)
             exc_type, exc, tb = info
-            assert kw["request_id"] == m.rid and exc is m.req.lc.error
-            assert exc_type is type(exc) and tb is not None
-        assert len(self.core.table) == 0
+            ok = kw["request_id"] == m.rid and exc is m.req.lc.error
+            self.check(ok and exc_type is type(exc) and tb is not None, "records", m.rid, kw)
         sizes = self.core.sizes()
-        assert sizes == dict.fromkeys(sizes, 0), sizes
+        self.check(len(self.core.table) == 0, "I8", "table", len(self.core.table))
+        self.check(sizes == dict.fromkeys(sizes, 0), "I8", sizes)
         last = {m.rid: m for m in self.reqs}
         for m in last.values():  # what is remembered holds no plan, error or lifecycle
             tomb = self.core.table.find(m.rid)
-            assert isinstance(tomb, Tombstone), tomb
-            assert (tomb.state, tomb.reason) == (m.state, m.reason)
-        assert len(self.core.table._recent) <= RECENT
+            self.check(isinstance(tomb, Tombstone), "I8", m.rid, tomb)
+            assert isinstance(tomb, Tombstone)
+            self.check((tomb.state, tomb.reason) == (m.state, m.reason), "I5", m.rid, tomb)
+        self.check(len(self.core.table._recent) <= RECENT, "I8", len(self.core.table._recent))
+
+    # -- checks --------------------------------------------------------------------
+
+    @invariant()
+    def model_agrees(self) -> None:
+        self.steps += 1
+        for m in self.reqs:
+            lc = m.req.lc
+            got = (lc.state, lc.reason)
+            if got != (m.state, m.reason):
+                # A live request the model ended: an exit path left it live (I3);
+                # any other difference is a wrong outcome (I5).
+                gap = "I3" if m.terminal and lc.state not in TERMINAL else "I5"
+                self.check(False, gap, m.rid, got, (m.state, m.reason))
+            terminal = [h for h in lc.history if h.dest in TERMINAL]
+            self.check(len(terminal) == (1 if m.terminal else 0), "I2", m.rid, lc.history)
+            self.check(not terminal or lc.history[-1] is terminal[0], "I2", m.rid, lc.history)
+        for m in self.reqs:
+            err, want = m.req.lc.error, m.error
+            if isinstance(want, tuple):
+                self.check(isinstance(err, want[0]), "I5", m.rid, err, want)
+                ok = want[1] is None or getattr(err, "peer", None) == want[1]
+                self.check(ok, "I5", m.rid, err, want)
+            else:
+                self.check(err is want, "I5", m.rid, err, want)
+        transitions = sum(len(m.req.lc.history) for m in self.reqs)
+        self.check(self.journal.count == transitions, "records", "journal", self.journal.count)
+        logged = sorted(
+            (level, event, tuple(sorted(kw.items())))
+            for level, event, kw in self.logs.records
+            if event in ("peer_lost", "peer_removed", "peer_alive")
+        )
+        self.check(logged == sorted(self.expected_logs), "peers", logged, self.expected_logs)
+        self.check(self.core.checks.before_quiesce == 0, "I6", "released before quiesce")
+        self.check(self.core.checks.double == self.double_expected, "I6", "double release")
+        for name, detail in self.violations:
+            self.check(False, name, detail)
+        for m in self.reqs:
+            key = f"{m.rid}#{m.order}"
+            woken = self.wakes.get(key, 0)
+            want_woken = self.waiters.get(key, 0) if m.reported else 0
+            self.check(woken == want_woken, "callbacks", key, "woken", woken, want_woken)
+
+    def check_sizes(self) -> None:
+        live = len(self.by_id)
+        sizes = self.core.sizes()
+        self.check(sizes["table"] == live, "I8", sizes, live)
+        self.check(sizes["inbox"] == 0, "I8", sizes)
+        for name in ("queue", "deadlines", "backoffs"):
+            self.check(sizes[name] <= 2 * live + 64, "I8", name, sizes, live)
+        self.check(sizes["quarantine"] <= live, "I8", sizes, live)
+        with self.core.lock:
+            count, nbytes = self.core.quarantine()
+        ok = count == sizes["quarantine"] and nbytes == 8 * count
+        self.check(ok, "I8", "quarantine", count, nbytes, sizes)
+
+    def teardown(self) -> None:
+        # Only restores what __init__ patched: every check is a rule's or an invariant's.
+        _core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN = self._thresholds
+        _core._log = self._saved_log
 
 
 TestCoreMachine = CoreMachine.TestCase
@@ -901,10 +1022,12 @@ def _bug_exit_without_terminal(mp: pytest.MonkeyPatch) -> None:
 
 
 def _bug_release_before_quiesce(mp: pytest.MonkeyPatch) -> None:
+    """A terminal request is handed out while an op may still touch its blocks."""
     mp.setattr(Quarantine, "ready", staticmethod(lambda req: True))
 
 
 def _bug_deadline_ignores_pending(mp: pytest.MonkeyPatch) -> None:
+    """A request still PENDING (queued, or backing off) outlives its deadline."""
     original = SchedulerCore._expire
 
     def buggy(self: SchedulerCore, req: Request) -> None:
@@ -915,40 +1038,111 @@ def _bug_deadline_ignores_pending(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(SchedulerCore, "_expire", buggy)
 
 
+class SeededBug(NamedTuple):
+    plant: Callable[[pytest.MonkeyPatch], None]
+    invariant: str  # the check that must catch it: CHECKS' key
+
+
 SEEDED_BUGS = {
-    "exit_without_terminal": _bug_exit_without_terminal,
-    "release_before_quiesce": _bug_release_before_quiesce,
-    "deadline_ignores_pending": _bug_deadline_ignores_pending,
+    # The guard ends the request WORKER_EXITED: terminal, with the wrong reason.
+    "exit_without_terminal": SeededBug(_bug_exit_without_terminal, "I5"),
+    "release_before_quiesce": SeededBug(_bug_release_before_quiesce, "I6"),
+    "deadline_ignores_pending": SeededBug(_bug_deadline_ignores_pending, "I4"),
 }
-RUNS = 10
+SEEDS = range(1, 11)  # every seeded bug and the clean control run exactly these
+SEARCH_EXAMPLES = 30  # the search's budget per seed: a catch must come within it
+SEARCH = settings(
+    max_examples=SEARCH_EXAMPLES,
+    stateful_step_count=60,
+    derandomize=False,  # the seed decides
+    database=None,  # nothing replayed from an earlier run
+    deadline=None,
+    phases=[HPhase.explicit, HPhase.generate],  # the first catch is enough: no shrinking
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.too_slow],
+    verbosity=Verbosity.quiet,
+)
 
 
-def caught(seed_value: int) -> bool:
-    """One run of the CI profile (derandomized), on seed ``seed_value``."""
-    machine = seed(seed_value)(type(f"Seeded{seed_value}", (CoreMachine,), {}))
-    ci = settings(
-        settings.get_profile("ci"),
-        stateful_step_count=60,
-        phases=[HPhase.explicit, HPhase.generate],  # found is enough: no shrinking
-        report_multiple_bugs=False,
-    )
+class HarnessFailure(Exception):
+    """The machine failed by something other than one of its checks: no verdict."""
+
+
+class Search(NamedTuple):
+    seed: int
+    examples: int  # examples the search started
+    caught: str | None  # the invariant whose check failed first; None: none did
+    example: int | None  # the example that failed it, counted from 1
+    step: int | None  # the rule step in that example
+
+
+def search(seed_value: int, machine: type[CoreMachine] = CoreMachine) -> Search:
+    """One search of ``SEARCH_EXAMPLES`` examples on ``seed_value``, stopping at
+    the first failure. Only an InvariantViolated is a verdict; any other
+    exception raises HarnessFailure."""
+    tally = Tally()
+    run = seed(seed_value)(type(f"Search{seed_value}", (machine,), {"tally": tally}))
     try:
-        run_state_machine_as_test(machine, settings=ci)
-    except (AssertionError, Exception):
-        return True
-    return False
+        run_state_machine_as_test(run, settings=SEARCH)
+    except InvariantViolated as exc:
+        assert tally.first is not None and tally.first[0] == exc.invariant, (tally, exc)
+        return Search(seed_value, tally.examples, exc.invariant, *tally.first[1:])
+    except Exception as exc:
+        raise HarnessFailure(
+            f"seed {seed_value}: the harness raised {type(exc).__name__}: {exc}"
+        ) from exc
+    return Search(seed_value, tally.examples, None, None, None)
+
+
+def report_line(name: str, runs: list[Search]) -> str:
+    examples = [r.example for r in runs if r.example is not None]
+    steps = [r.step for r in runs if r.step is not None]
+    caught = {r.caught for r in runs}
+    return (
+        f"{name:26} caught {sum(r.caught is not None for r in runs):2}/{len(runs)}"
+        f" by {','.join(sorted(c for c in caught if c)) or '-':4}"
+        f" median examples {statistics.median(examples) if examples else '-':>4}"
+        f" (max {max(examples) if examples else '-'})"
+        f" median step {statistics.median(steps) if steps else '-':>5}"
+        f" examples run {sum(r.examples for r in runs)}"
+    )
 
 
 @pytest.mark.parametrize("bug", list(SEEDED_BUGS))
-def test_the_state_machine_catches_seeded_bugs(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    SEEDED_BUGS[bug](monkeypatch)
-    runs = [caught(n) for n in range(1, RUNS + 1)]
-    print(f"seeded bug {bug}: caught in {sum(runs)} of {RUNS} runs")
-    assert all(runs), f"{bug}: caught in {sum(runs)} of {RUNS} runs: {runs}"
+def test_the_search_catches_each_seeded_bug_on_every_seed(
+    bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    SEEDED_BUGS[bug].plant(monkeypatch)
+    runs = [search(n) for n in SEEDS]
+    print(report_line(bug, runs))
+    assert [r.caught for r in runs] == [SEEDED_BUGS[bug].invariant] * len(SEEDS), runs
 
 
-def test_the_clean_core_passes_the_same_seeds() -> None:
-    assert not any(caught(n) for n in range(1, 4))
+def test_the_clean_core_passes_the_same_seeds_and_budget() -> None:
+    runs = [search(n) for n in SEEDS]
+    print(report_line("clean core (control)", runs))
+    assert [r.caught for r in runs] == [None] * len(SEEDS), runs
+    assert all(r.examples >= SEARCH_EXAMPLES for r in runs), runs
+
+
+class _BrokenHarness(CoreMachine):
+    @rule()
+    def divide(self) -> None:
+        self.now = 1 / (self.now - self.now)  # a harness bug, not the core's
+
+
+def test_a_harness_error_is_reported_as_such_never_as_a_catch() -> None:
+    with pytest.raises(HarnessFailure, match=r"^seed 1: the harness raised ZeroDivisionError"):
+        search(1, _BrokenHarness)
+
+
+def test_a_catch_names_the_invariant_whose_check_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    SEEDED_BUGS["release_before_quiesce"].plant(monkeypatch)
+    got = search(1)
+    assert got.caught == "I6" and got.example is not None and got.step is not None
+    assert 1 <= got.example <= got.examples <= SEARCH_EXAMPLES + 1
+    with pytest.raises(AssertionError, match="no such"):
+        InvariantViolated("no such", "")
 
 
 # -- exact counters, queue bookkeeping, retries and probes, one scenario each -----------
