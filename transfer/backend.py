@@ -273,9 +273,21 @@ def _run_callbacks(callbacks: list[OpCallback], op: TransferOp, kind: str) -> No
 
 
 class TransferBackend(abc.ABC):
-    """Moves plans to peers. Implementations: MooncakeBackend, LocalBackend."""
+    """Moves plans to peers. Implementations: MooncakeBackend, LocalBackend.
+
+    The base owns the peer table: what each peer advertised (``add_peer``),
+    the only ranges plans to it may write. Subclasses call ``__init__`` and
+    check each plan against ``advertised_regions(plan.peer)``.
+    """
 
     name: str = "abstract"
+
+    _advertised: dict[str, RegionIndex]  # session id -> the regions it advertised. Each
+    # access is one dict operation, atomic on its own: no lock, so a backend may
+    # read it under its own lock together with the state that lock guards.
+
+    def __init__(self) -> None:
+        self._advertised = {}
 
     @abc.abstractmethod
     def submit(self, plan: TransferPlan) -> TransferOp:
@@ -290,18 +302,24 @@ class TransferBackend(abc.ABC):
     def close(self) -> None:
         """Release engine resources. Idempotent."""
 
-    # Concrete defaults so that test doubles need not implement them; a backend
-    # that writes to peers overrides all three.
+    # -- peers ----------------------------------------------------------------
 
     def add_peer(self, info: PeerInfo) -> None:
         """Learn (or replace) the regions ``info`` advertises: the only ranges
         plans to ``info.session_id`` may write."""
-        return None
+        if not isinstance(info, PeerInfo):
+            raise TypeError(f"add_peer needs a PeerInfo, got {type(info).__name__}")
+        self._advertised[info.session_id] = RegionIndex(info.regions)
 
     def remove_peer(self, session_id: str) -> None:
-        """Forget a peer's regions: later plans to it are rejected."""
-        return None
+        """Forget a peer's regions; ops already submitted run on."""
+        self._advertised.pop(session_id, None)
 
+    def advertised_regions(self, session_id: str) -> RegionIndex | None:
+        """What ``session_id`` advertised; None before ``add_peer`` or after ``remove_peer``."""
+        return self._advertised.get(session_id)
+
+    # A concrete default so that test doubles need not implement it.
     def quarantined(self) -> Quarantine:
         """Ops that have a result but are not quiesced yet, and their bytes."""
         return Quarantine(0, 0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .backend import PeerInfo, Quarantine, TransferBackend, TransferOp, TransferPlan
 from .errors import EngineError, PeerLost, PeerUnreachable, TransferError
+from .regions import RegionIndex
 
 __all__ = [
     "DEFAULT_FAULT_KINDS",
@@ -155,6 +156,7 @@ class FaultInjectingBackend(TransferBackend):
     _closed: bool  # once True: no new faults, submits go straight to inner
 
     def __init__(self, inner: TransferBackend, plan: FaultPlan) -> None:
+        super().__init__()  # its own peer table stays empty: peers are the inner's
         self.inner = inner
         self.plan = plan
         self.name = f"faults({inner.name})"
@@ -227,6 +229,9 @@ class FaultInjectingBackend(TransferBackend):
 
     def remove_peer(self, session_id: str) -> None:
         self.inner.remove_peer(session_id)
+
+    def advertised_regions(self, session_id: str) -> RegionIndex | None:
+        return self.inner.advertised_regions(session_id)
 
     def quarantined(self) -> Quarantine:
         """The inner backend's quarantine (hung ops have no result: not counted)."""

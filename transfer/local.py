@@ -82,7 +82,6 @@ class LocalBackend(TransferBackend):
     _peers: dict[str, KVCache]
     _sources: dict[int, KVCache]  # id(cache) -> cache
     _peer_maps: dict[str, _AddressMap]  # destination check: only the peer's own buffers
-    _advertised: dict[str, RegionIndex]  # add_peer: a further bound on the peer's destinations
     _all: _AddressMap  # source check: every registered buffer; replaced, never mutated
     _closed: bool  # once True: no new copies start, in-flight ones stop between batches
     _pool: ThreadPoolExecutor
@@ -91,11 +90,11 @@ class LocalBackend(TransferBackend):
     def __init__(self, peers: Mapping[str, KVCache] | None = None, *, workers: int = 4) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
+        super().__init__()
         self._lock = threading.Lock()
         self._peers = {}
         self._sources = {}
         self._peer_maps = {}
-        self._advertised = {}
         self._all = _EMPTY
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvguard-local")
@@ -117,20 +116,8 @@ class LocalBackend(TransferBackend):
         with self._lock:
             self._peers.pop(session_id, None)
             self._peer_maps.pop(session_id, None)
-            self._advertised.pop(session_id, None)
+            self.remove_peer(session_id)
             self._reindex()
-
-    def add_peer(self, info: PeerInfo) -> None:
-        """Bound destinations to ``info.session_id`` by the regions it advertises."""
-        if not isinstance(info, PeerInfo):
-            raise TypeError(f"add_peer needs a PeerInfo, got {type(info).__name__}")
-        index = RegionIndex(info.regions)
-        with self._lock:
-            self._advertised[info.session_id] = index
-
-    def remove_peer(self, session_id: str) -> None:
-        with self._lock:
-            self._advertised.pop(session_id, None)
 
     def register_source(self, cache: KVCache) -> None:
         """Allow plans to read from ``cache``."""
@@ -208,7 +195,7 @@ class LocalBackend(TransferBackend):
         with self._lock:
             dst_map = self._peer_maps.get(peer)
             src_map = self._all
-            advertised = self._advertised.get(peer)
+            advertised = self.advertised_regions(peer)
         if dst_map is None:
             raise PeerUnreachable(f"unknown peer {peer!r}", peer=peer)
         if advertised is not None:  # whole plan, before any byte is copied

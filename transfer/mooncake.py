@@ -69,7 +69,6 @@ from ._engine import (
 )
 from ._poller import EngineLoop, EngineOp, PeerCheck
 from .backend import (
-    PeerInfo,
     Quarantine,
     TransferBackend,
     TransferOp,
@@ -179,7 +178,6 @@ class MooncakeBackend(TransferBackend):
     _closed: bool  # (L) once True: submit fails fast, the loop hands over nothing more
     _caches: dict[int, KVCache]  # (L) id -> registered cache, kept alive while registered
     _sources: RegionIndex  # (L) registered memory; replaced, never mutated
-    _regions: dict[str, RegionIndex]  # (L) session id -> what the peer advertised
     _live: set[TransferOp]  # (L) submitted and not yet quiesced
     _probes: dict[str, _ProbeCall]  # (L) at most one send_probe per peer in flight
     _peers: dict[str, _PeerState]  # entries are only added; states are mutated in place
@@ -249,11 +247,11 @@ class MooncakeBackend(TransferBackend):
         )
         p2p = metadata == P2P_HANDSHAKE
         self._session_id = f"{local_ip}:{self._engine.get_rpc_port()}" if p2p else local_ip
+        super().__init__()
         self._lock = threading.Lock()
         self._closed = False
         self._caches = {}
         self._sources = RegionIndex(())
-        self._regions = {}
         self._live = set()
         self._probes = {}
         self._peers = {}
@@ -361,19 +359,6 @@ class MooncakeBackend(TransferBackend):
                 code=rc,
             )
 
-    def add_peer(self, info: PeerInfo) -> None:
-        """Let plans write to ``info.session_id``, inside the regions it advertises."""
-        if not isinstance(info, PeerInfo):
-            raise TypeError(f"add_peer needs a PeerInfo, got {type(info).__name__}")
-        index = RegionIndex(info.regions)
-        with self._lock:
-            self._regions[info.session_id] = index
-
-    def remove_peer(self, session_id: str) -> None:
-        """Reject later plans to ``session_id``; ops already submitted run on."""
-        with self._lock:
-            self._regions.pop(session_id, None)
-
     def _reindex(self) -> None:  # caller holds _lock
         self._sources = RegionIndex(r for c in self._caches.values() for r in c.regions())
 
@@ -390,12 +375,12 @@ class MooncakeBackend(TransferBackend):
         if not plan.batches:  # nothing to move is done, and says so at once
             return _finished(TransferOp(plan), None)
         with self._lock:
-            closed, sources, regions = self._closed, self._sources, self._regions.get(plan.peer)
+            closed, sources = self._closed, self._sources
         if closed:
             return _finished(TransferOp(plan), BackendClosed(f"{self} is closed", peer=plan.peer))
         try:
             _check_sources(plan, sources, self._session_id)
-            check_destinations(plan, regions)
+            check_destinations(plan, self.advertised_regions(plan.peer))
         except InvalidPlan as error:
             return _finished(TransferOp(plan), error)
         op = EngineOp(plan, self._loop)
