@@ -53,15 +53,19 @@ from transfer import (
 
 from ._deadlines import Timers
 from ._peers import Peers
+from ._phase import ENDABLE, Phase, move
 from ._records import Finished, ReleaseCallback, RetryPolicy, detach_traceback
 from ._release import Quarantine, ReleaseChecks
-from ._requests import Phase, Request, RequestTable, ScheduledLifecycle, fail_all, settle
+from ._requests import Request, RequestTable, ScheduledLifecycle, fail_all, settle
 
 __all__ = ["SchedulerCore", "StepResult"]
 
 _log = structlog.get_logger("kvguard.scheduler")
 _QUEUE_COMPACT_MIN = 64
-_DONE = TransferState.DONE  # an Enum class lookup costs ~150 ns: once here
+# An Enum class lookup costs ~150 ns: once here.
+_DONE = TransferState.DONE
+_NEW, _QUEUED, _RUNNING = Phase.NEW, Phase.QUEUED, Phase.RUNNING
+_BACKOFF, _FINISHED, _RELEASING = Phase.BACKOFF, Phase.FINISHED, Phase.RELEASING
 
 
 class StepResult(NamedTuple):
@@ -104,8 +108,8 @@ class SchedulerCore:
         self._queue_stale = 0  # queue items no longer QUEUED
         self._seq = 0
         self._running = 0  # requests RUNNING or in BACKOFF; <= max_in_flight
-        self._deadlines: Timers[Request] = Timers(lambda r, _due: r.phase < Phase.FINISHED)
-        self._backoffs: Timers[Request] = Timers(lambda r, _due: r.phase == Phase.BACKOFF)
+        self._deadlines: Timers[Request] = Timers(lambda r, _due: r.phase in ENDABLE)
+        self._backoffs: Timers[Request] = Timers(lambda r, _due: r.phase is _BACKOFF)
         self._quarantine = Quarantine()
         self._finished: list[Finished] = []  # this step's outcomes
         self._reported: list[Request] = []  # this step's terminal requests
@@ -221,7 +225,7 @@ class SchedulerCore:
     # -- inbox handlers (step only) -------------------------------------------------
 
     def _on_new(self, req: Request) -> None:
-        req.phase = Phase.QUEUED
+        move(req, _QUEUED)
         if req.lc.is_terminal:  # empty plan, dead peer, or ended before we saw it
             self._finish(req)
             return
@@ -230,16 +234,17 @@ class SchedulerCore:
         heapq.heappush(self._queue, (-req.priority, self._seq, req))
 
     def _on_terminal(self, req: Request) -> None:
-        if req.phase != Phase.NEW:  # NEW: _on_new, later in the inbox, finishes it
+        if req.phase is not _NEW:  # NEW: _on_new, later in the inbox, finishes it
             self._finish(req)
 
     def _on_op_done(self, req: Request, op: TransferOp) -> None:
-        if req.phase == Phase.RUNNING and op is req.op:
+        if req.phase is _RUNNING and op is req.op:
             self._advance(req)
 
     def _on_op_quiesced(self, req: Request, op: TransferOp) -> None:
         req.unquiesced -= 1
-        if req.phase == Phase.FINISHED and self._quarantine.take(req):
+        if req.phase is _FINISHED and self._quarantine.take(req):
+            move(req, _RELEASING)
             self._releases.append(req)
 
     def _on_probe(self, session_id: str, error: BaseException | None) -> None:
@@ -276,11 +281,11 @@ class SchedulerCore:
         queue = self._queue
         while self._running < self.max_in_flight and queue:
             req = heapq.heappop(queue)[2]
-            if req.phase != Phase.QUEUED:
+            if req.phase is not _QUEUED:
                 self._queue_stale -= 1
                 continue
             self._running += 1
-            req.phase = Phase.RUNNING
+            move(req, _RUNNING)
             self._advance(req)
 
     # -- one request's worker, guarded (step only) -------------------------------------
@@ -312,7 +317,8 @@ class SchedulerCore:
     def _start_attempt(self, req: Request) -> bool:
         if not req.lc.start():
             return False  # ended while queued or backing off
-        req.phase = Phase.RUNNING
+        if req.phase is _BACKOFF:
+            move(req, _RUNNING)  # a retry (the first attempt runs since admission)
         op = self.backend.submit(req.plan)
         req.op = op
         req.ops.append(op)
@@ -339,7 +345,7 @@ class SchedulerCore:
             return False
         if not lc.retry():
             return False
-        req.phase = Phase.BACKOFF
+        move(req, _BACKOFF)
         self._backoffs.push(self._now + self.retry.delay(lc.attempt), req)
         return True
 
@@ -347,15 +353,15 @@ class SchedulerCore:
 
     def _finish(self, req: Request, *, expired: bool = False) -> None:
         phase = req.phase
-        if phase >= Phase.FINISHED or phase == Phase.NEW:
-            return
-        if phase == Phase.QUEUED:
-            req.phase = Phase.FINISHED  # first: the compaction drops this item too
+        if phase not in ENDABLE:
+            return  # NEW: _on_new, later in the inbox, finishes it; or finished already
+        move(req, _FINISHED)  # first: a queue compaction drops this item too
+        if phase is _QUEUED:
             self._queue_stale += 1
             self._compact_queue()
         else:
             self._running -= 1
-            if phase == Phase.BACKOFF:
+            if phase is _BACKOFF:
                 self._backoffs.discard()
         if not expired:
             self._deadlines.discard()
@@ -385,12 +391,13 @@ class SchedulerCore:
         self._finished.append(fin)
         self._reported.append(req)
         if self._quarantine.enter(req):
+            move(req, _RELEASING)
             self._releases.append(req)
 
     def _compact_queue(self) -> None:
         queue = self._queue
         if len(queue) >= _QUEUE_COMPACT_MIN and 2 * self._queue_stale > len(queue):
-            self._queue = [x for x in queue if x[2].phase == Phase.QUEUED]
+            self._queue = [x for x in queue if x[2].phase is _QUEUED]
             heapq.heapify(self._queue)
             self._queue_stale = 0
 

@@ -18,8 +18,9 @@ from lifecycle import FailureReason, RequestLifecycle, TransferState
 
 from ._core import SchedulerCore
 from ._drivers import CallbackRunner
+from ._phase import LIVE, Phase
 from ._records import Finished, MetricsSnapshot
-from ._requests import Phase, Request, RequestTable, Tombstone
+from ._requests import Request, RequestTable, Tombstone
 from .errors import DriverFailed, UnknownRequest
 
 __all__ = ["Outcomes"]
@@ -130,10 +131,10 @@ class Outcomes:
             oldest = 0.0
             releasing = 0
             for req in self._table.requests():
-                if req.phase < Phase.FINISHED:
+                if req.phase in LIVE:
                     by_state[req.lc.state.name] += 1
                     oldest = max(oldest, now - req.submitted)
-                elif req.phase == Phase.RELEASING:
+                elif req.phase is Phase.RELEASING:
                     releasing += 1
             quarantined, qbytes = core.quarantine()
             return MetricsSnapshot(
@@ -164,7 +165,7 @@ class Outcomes:
         return [
             (r.lc, r.peer, r.submitted)
             for r in self._table.requests()
-            if r.phase < Phase.FINISHED and not r.lc.is_terminal
+            if r.phase in LIVE and not r.lc.is_terminal
         ]
 
     def quarantined_entries(self) -> list[tuple[str, str, float, int, int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import structlog
 
-from ._requests import Phase, Request, RequestTable
+from ._requests import Request, RequestTable
 
 __all__ = ["Quarantine", "ReleaseChecks", "run_release"]
 
@@ -43,9 +43,7 @@ class Quarantine:
         """``req`` just became terminal: True if it may be released at once
         (the usual case: every op already quiesced); else it is held."""
         if self.ready(req):
-            req.phase = Phase.RELEASING
             return True
-        req.phase = Phase.FINISHED
         self._held[req] = None
         self.nbytes += req.plan.nbytes
         return False
@@ -61,7 +59,6 @@ class Quarantine:
             return False
         del self._held[req]
         self.nbytes -= req.plan.nbytes
-        req.phase = Phase.RELEASING
         return True
 
 

@@ -21,12 +21,12 @@ from lifecycle import DoneCallback, FailureReason, Journal, RequestLifecycle, Tr
 from transfer import PeerInfo, PeerUnreachable, TransferOp, TransferPlan
 
 from ._peers import Peers
+from ._phase import Phase
 from ._records import Finished, ReleaseCallback
 from .errors import DuplicateRequest, SchedulerClosed, UnknownPeer
 
 __all__ = [
     "RECENT",
-    "Phase",
     "Request",
     "RequestTable",
     "ScheduledLifecycle",
@@ -36,17 +36,6 @@ __all__ = [
 ]
 
 RECENT = 4096  # released requests remembered for wait()/abort()/get()
-
-
-class Phase:
-    """Where a request is in the core; only ever increases."""
-
-    NEW = 0  # accepted by submit(); the core has not seen it yet
-    QUEUED = 1  # waits for an in-flight slot (admission by priority)
-    RUNNING = 2  # holds a slot; an op is in flight
-    BACKOFF = 3  # holds a slot; waits to retry
-    FINISHED = 4  # terminal and reported; quarantined until every op quiesced
-    RELEASING = 5  # handed to the release callback; the id is free once it returns
 
 
 class ScheduledLifecycle(RequestLifecycle):
@@ -120,7 +109,7 @@ class Request:
     submitted: float  # core clock
     priority: int  # higher first; FIFO among equals
     release: ReleaseCallback | None
-    phase: int  # (core) a Phase value
+    phase: Phase  # (core) changed by _phase.move only, along its EDGES
     op: TransferOp | None  # (core) the op of the current attempt, until its result is read
     ops: list[TransferOp]  # (core) every op submitted for it; at most max_attempts
     unquiesced: int  # (core) ops not yet quiesced; released only at 0 (I6)
