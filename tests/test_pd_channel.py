@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from kvguard.vllm.decode_loads import DecodeReceiver, Outcome
+from kvguard.vllm.decode_loads import DecodeReceiver, LoadOutcome
 from kvguard.vllm.prefill_pushes import PrefillSender
 from kvguard.vllm.protocol import Abort, decode_from_decode, encode
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
@@ -39,7 +39,7 @@ class Pair:
             peer_message_of(info), heartbeat_s=0.2, heartbeat_timeout_s=0.6
         )
         self.released: set[str] = set()
-        self.outcomes: dict[str, Outcome] = {}
+        self.outcomes: dict[str, LoadOutcome] = {}
 
     def poll(self) -> None:
         self.released |= self.sender.take_released()

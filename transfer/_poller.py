@@ -103,7 +103,7 @@ class PeerCheck:
 
     done: threading.Event = field(default_factory=threading.Event)
     alive: bool = False  # the verdict, final once done is set
-    verdict: Any = None  # the backend's Liveness and probe code, for its errors
+    verdict: Any = None  # the backend's ProbeVerdict, for its errors
     rc: int | None = None
 
 

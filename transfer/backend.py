@@ -34,7 +34,7 @@ from .regions import Region, RegionIndex
 __all__ = [
     "Batch",
     "PeerInfo",
-    "Quarantine",
+    "QuarantineTally",
     "TransferBackend",
     "TransferOp",
     "TransferPlan",
@@ -62,7 +62,7 @@ def check_destinations(plan: TransferPlan, regions: RegionIndex | None) -> None:
             )
 
 
-class Quarantine(NamedTuple):
+class QuarantineTally(NamedTuple):
     """Ops with a result whose buffers the engine may still touch, and their bytes."""
 
     ops: int
@@ -320,6 +320,6 @@ class TransferBackend(abc.ABC):
         return self._advertised.get(session_id)
 
     # A concrete default so that test doubles need not implement it.
-    def quarantined(self) -> Quarantine:
+    def quarantined(self) -> QuarantineTally:
         """Ops that have a result but are not quiesced yet, and their bytes."""
-        return Quarantine(0, 0)
+        return QuarantineTally(0, 0)

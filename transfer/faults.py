@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .backend import PeerInfo, Quarantine, TransferBackend, TransferOp, TransferPlan
+from .backend import PeerInfo, QuarantineTally, TransferBackend, TransferOp, TransferPlan
 from .errors import EngineError, PeerLost, PeerUnreachable, TransferError
 from .regions import RegionIndex
 
@@ -233,7 +233,7 @@ class FaultInjectingBackend(TransferBackend):
     def advertised_regions(self, session_id: str) -> RegionIndex | None:
         return self.inner.advertised_regions(session_id)
 
-    def quarantined(self) -> Quarantine:
+    def quarantined(self) -> QuarantineTally:
         """The inner backend's quarantine (hung ops have no result: not counted)."""
         return self.inner.quarantined()
 

@@ -69,7 +69,7 @@ from ._engine import (
 )
 from ._poller import EngineLoop, EngineOp, PeerCheck
 from .backend import (
-    Quarantine,
+    QuarantineTally,
     TransferBackend,
     TransferOp,
     TransferPlan,
@@ -94,8 +94,8 @@ __all__ = [
     "ENGINE_CODES",
     "FAILURE_CLASS",
     "P2P_HANDSHAKE",
-    "Liveness",
     "MooncakeBackend",
+    "ProbeVerdict",
     "code_name",
     "engine_peer_budget",
     "import_engine",
@@ -105,7 +105,7 @@ __all__ = [
 _log = structlog.get_logger("kvguard.transfer")
 
 
-class Liveness(enum.Enum):
+class ProbeVerdict(enum.Enum):
     """What a bounded ``send_probe`` says about a peer."""
 
     ALIVE = "alive"  # returned 0
@@ -115,13 +115,13 @@ class Liveness(enum.Enum):
 
 # (probe verdict after a failure, did the engine accept an entry of the plan)
 # -> the error the op fails with. Only a live peer makes a retry useful.
-FAILURE_CLASS: Final[Mapping[tuple[Liveness, bool], type[TransferError]]] = {
-    (Liveness.ALIVE, False): EngineError,
-    (Liveness.ALIVE, True): EngineError,
-    (Liveness.REFUSED, False): PeerUnreachable,
-    (Liveness.REFUSED, True): PeerLost,
-    (Liveness.SILENT, False): PeerUnreachable,
-    (Liveness.SILENT, True): PeerLost,
+FAILURE_CLASS: Final[Mapping[tuple[ProbeVerdict, bool], type[TransferError]]] = {
+    (ProbeVerdict.ALIVE, False): EngineError,
+    (ProbeVerdict.ALIVE, True): EngineError,
+    (ProbeVerdict.REFUSED, False): PeerUnreachable,
+    (ProbeVerdict.REFUSED, True): PeerLost,
+    (ProbeVerdict.SILENT, False): PeerUnreachable,
+    (ProbeVerdict.SILENT, True): PeerLost,
 }
 
 # (engine, caches, loop) of backends closed while the engine still held
@@ -136,7 +136,7 @@ class _PeerState:
     field is a single reference, so a racy read sees an old or a new value."""
 
     reached: bool = False  # a probe or transfer to it succeeded once
-    dead: Liveness | None = None  # verdict of the last failed probe; None while believed alive
+    dead: ProbeVerdict | None = None  # verdict of the last failed probe; None while believed alive
 
 
 class _ProbeCall:
@@ -283,11 +283,11 @@ class MooncakeBackend(TransferBackend):
         """Ops submitted and not yet quiesced (quarantined ones included)."""
         return len(self._live)
 
-    def quarantined(self) -> Quarantine:
+    def quarantined(self) -> QuarantineTally:
         """Ops failed or given up whose entries the engine still holds, and their bytes."""
         with self._lock:
             held = [op for op in self._live if op.quarantined]
-        return Quarantine(len(held), sum(op.nbytes for op in held))
+        return QuarantineTally(len(held), sum(op.nbytes for op in held))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._live)} in flight"
@@ -405,7 +405,7 @@ class MooncakeBackend(TransferBackend):
         if self._closed:
             raise PeerUnreachable(f"{self} is closed", peer=peer)
         verdict, rc = self._liveness(peer, timeout)
-        if verdict is not Liveness.ALIVE:
+        if verdict is not ProbeVerdict.ALIVE:
             raise PeerUnreachable(
                 f"probe of {peer}: {verdict.value} ({code_name(rc)})", peer=peer, code=rc
             )
@@ -479,10 +479,10 @@ class MooncakeBackend(TransferBackend):
         def run() -> None:
             try:
                 verdict, rc = self._liveness(peer)
-                check.verdict, check.rc, check.alive = verdict, rc, verdict is Liveness.ALIVE
+                check.verdict, check.rc, check.alive = verdict, rc, verdict is ProbeVerdict.ALIVE
             except Exception:  # a bug; the peer counts as gone, which fails safe
                 _log.exception("peer_check_raised", peer=peer)
-                check.verdict = Liveness.REFUSED
+                check.verdict = ProbeVerdict.REFUSED
             finally:
                 check.done.set()
                 wake()
@@ -491,7 +491,7 @@ class MooncakeBackend(TransferBackend):
         return check
 
     def _failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
-        verdict = check.verdict if isinstance(check.verdict, Liveness) else Liveness.REFUSED
+        verdict = check.verdict if isinstance(check.verdict, ProbeVerdict) else ProbeVerdict.REFUSED
         peer, plan = op.plan.peer, op.plan
         cls = FAILURE_CLASS[verdict, op.moved]
         what = op.failure or f"peer {peer} is {verdict.value}"
@@ -514,7 +514,7 @@ class MooncakeBackend(TransferBackend):
         return cls(
             f"transfer to {peer}: {what}; {sent}; probe: {verdict.value} ({code_name(check.rc)})",
             peer=peer,
-            code=check.rc if verdict is Liveness.REFUSED else None,
+            code=check.rc if verdict is ProbeVerdict.REFUSED else None,
         )
 
     def _stopped(self, op: EngineOp) -> TransferError | None:
@@ -529,14 +529,14 @@ class MooncakeBackend(TransferBackend):
         with self._lock:
             self._live.discard(op)
 
-    def _liveness(self, peer: str, timeout: float | None = None) -> tuple[Liveness, int | None]:
+    def _liveness(self, peer: str, timeout: float | None = None) -> tuple[ProbeVerdict, int | None]:
         """Probe ``peer``, waiting at most ``timeout``; record the verdict."""
         with self._lock:
             call = self._probes.get(peer)
             if call is None:
                 engine = self._engine
                 if engine is None:
-                    return Liveness.REFUSED, None
+                    return ProbeVerdict.REFUSED, None
                 call = self._probes[peer] = _ProbeCall()
                 threading.Thread(
                     target=self._probe_thread,
@@ -546,14 +546,14 @@ class MooncakeBackend(TransferBackend):
                 ).start()
         state = self._peer(peer)
         if not call.done.wait(self._probe_timeout_s if timeout is None else timeout):
-            state.dead = Liveness.SILENT
-            return Liveness.SILENT, None
+            state.dead = ProbeVerdict.SILENT
+            return ProbeVerdict.SILENT, None
         if call.rc == 0:
             state.dead = None
             state.reached = True
-            return Liveness.ALIVE, 0
-        state.dead = Liveness.REFUSED
-        return Liveness.REFUSED, call.rc
+            return ProbeVerdict.ALIVE, 0
+        state.dead = ProbeVerdict.REFUSED
+        return ProbeVerdict.REFUSED, call.rc
 
     def _probe_thread(self, engine: Any, peer: str, call: _ProbeCall) -> None:
         try:

@@ -38,7 +38,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .protocol import MAX_FRAME_BYTES, Abort, Push, decode_from_prefill, encode
 
-__all__ = ["DecodeReceiver", "Outcome"]
+__all__ = ["DecodeReceiver", "LoadOutcome"]
 
 _log = structlog.get_logger("kvguard.vllm.receiver")
 
@@ -58,7 +58,7 @@ _EVENT_WORDS: Final[dict[int, str]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class LoadOutcome:
     """How one expected request ended on this side."""
 
     request_id: str
@@ -108,8 +108,8 @@ class DecodeReceiver:
         self._margin_s = margin_s
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._finished: list[Outcome] = []  # (L) not yet taken
-        self.outcomes: OrderedDict[str, Outcome] = OrderedDict()  # (L) the last _RECENT
+        self._finished: list[LoadOutcome] = []  # (L) not yet taken
+        self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
         self._links: dict[str, _Link] = {}  # receiver thread only
         self._waits: dict[str, _Wait] = {}  # receiver thread only
         self._stop = threading.Event()
@@ -139,7 +139,7 @@ class DecodeReceiver:
         """Tell a prefill its request will never be asked for (free it now)."""
         self._inbox.put(("forget", (endpoint, remote_id)))
 
-    def take_finished(self) -> list[Outcome]:
+    def take_finished(self) -> list[LoadOutcome]:
         with self._lock:
             out, self._finished = self._finished, []
         return out
@@ -291,7 +291,7 @@ class DecodeReceiver:
         wait = self._waits.pop(rid, None)
         if wait is None:
             return
-        out = Outcome(rid, ok, "" if ok else reason, detail, time.monotonic() - wait.started)
+        out = LoadOutcome(rid, ok, "" if ok else reason, detail, time.monotonic() - wait.started)
         if not ok:
             _log.warning("kv_load_failed", request=rid, reason=reason, detail=detail)
         with self._lock:
