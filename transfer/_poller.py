@@ -2,7 +2,8 @@
 the engine and collects their final statuses.
 
 Why not a sync call per op: a returned ``batch_transfer_sync_write`` says
-nothing about the slices the engine still moves (DESIGN.md), and each call
+nothing about the slices the engine still moves (after one returned -1, a
+frozen peer's blocks were seen landing once it thawed), and each call
 spins a core. ``transfer_submit_write`` gives one engine id per entry and
 ``transfer_check_status`` its final status; an op quiesces only when every
 entry the engine accepted has one (I6), however long that takes.

@@ -1,6 +1,6 @@
 """MooncakeBackend: the Mooncake transfer engine behind ``TransferBackend``.
 
-How the engine's behaviour (DESIGN.md, "Mooncake transfer engine") maps onto
+How the engine behaves (measured over loopback TCP) and how that maps onto
 the backend contract:
 
 * A returned or timed-out engine call is not a quiesced transfer: the engine

@@ -34,8 +34,9 @@ __all__ = [
     "plan_entries_naive",
 ]
 
-# The engine fails batches above ~2048 entries to one TCP peer and may keep
-# failing that peer for a while (DESIGN.md); stay well below by default.
+# The engine queues 1,024 entries plus 1,024 pending admissions per TCP peer
+# and fails the rest (8192 entries in one batch failed outright), and may keep
+# failing that peer for a while; stay well below by default.
 DEFAULT_MAX_BATCH_ENTRIES = 512
 MAX_BATCH_ENTRIES_LIMIT = 2048
 
