@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import structlog
 
-from .errors import RemoteRangeRejected, TransferError, TransferTimeout
+from .errors import InvalidPlan, RemoteRangeRejected, TransferError, TransferTimeout
 from .layout import KVLayout
 from .regions import Region, RegionIndex
 
@@ -52,12 +52,31 @@ def check_destinations(plan: TransferPlan, regions: RegionIndex | None) -> None:
             "before submitting plans to it; nothing sent",
             peer=plan.peer,
         )
+    check_ranges(
+        plan,
+        regions,
+        sources=False,
+        error=RemoteRangeRejected,
+        outside=f"is outside every region peer {plan.peer} advertised",
+    )
+
+
+def check_ranges(
+    plan: TransferPlan,
+    regions: RegionIndex,
+    *,
+    sources: bool,
+    error: type[InvalidPlan],
+    outside: str,
+) -> None:
+    """Raise ``error`` at the first destination (or, with ``sources``, source)
+    range of ``plan`` that no single region holds; ``outside`` says where it is."""
+    side = "source" if sources else "destination"
     for index, batch in enumerate(plan.batches):
-        bad = regions.first_outside(batch.dst, batch.lengths)
+        bad = regions.first_outside(batch.src if sources else batch.dst, batch.lengths)
         if bad is not None:
-            raise RemoteRangeRejected(
-                f"batch {index}: destination [{bad[0]:#x}, +{bad[1]}) is outside every "
-                f"region peer {plan.peer} advertised; nothing sent",
+            raise error(
+                f"batch {index}: {side} [{bad[0]:#x}, +{bad[1]}) {outside}; nothing sent",
                 peer=plan.peer,
             )
 

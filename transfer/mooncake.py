@@ -74,6 +74,7 @@ from .backend import (
     TransferOp,
     TransferPlan,
     check_destinations,
+    check_ranges,
 )
 from .cache import KVCache
 from .errors import (
@@ -599,14 +600,8 @@ def _finished(op: TransferOp, error: TransferError | None) -> TransferOp:
 
 
 def _check_sources(plan: TransferPlan, sources: RegionIndex, session: str) -> None:
-    for index, batch in enumerate(plan.batches):
-        bad = sources.first_outside(batch.src, batch.lengths)
-        if bad is not None:
-            raise InvalidPlan(
-                f"batch {index}: source [{bad[0]:#x}, +{bad[1]}) is not in memory "
-                f"registered with {session}; nothing sent",
-                peer=plan.peer,
-            )
+    outside = f"is not in memory registered with {session}"
+    check_ranges(plan, sources, sources=True, error=InvalidPlan, outside=outside)
 
 
 def _reads_from(plan: TransferPlan, regions: tuple[Region, ...]) -> bool:
