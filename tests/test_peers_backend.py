@@ -25,6 +25,8 @@ from transfer import (
     PeerInfo,
     RemoteRangeRejected,
     TransferBackend,
+    TransferOp,
+    TransferPlan,
     build_plan,
 )
 from transfer.mooncake import MooncakeBackend
@@ -127,3 +129,27 @@ def test_mooncake_backend_keeps_its_peers_in_the_base_table() -> None:
             op.result(timeout=0)
         assert op.quiesced and backend.in_flight == 0
         backend.unregister(src)
+
+
+class _Double(TransferBackend):
+    """A test double in the usual shape: its own __init__, no call to the base's."""
+
+    def __init__(self) -> None:
+        self.submitted: list[TransferPlan] = []
+
+    def submit(self, plan: TransferPlan) -> TransferOp:
+        self.submitted.append(plan)
+        return TransferOp(plan)
+
+    def probe(self, peer: str) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_backend_that_skips_the_base_init_still_has_a_peer_table() -> None:
+    # The Scheduler calls add_peer on whatever backend it is given.
+    _table_round_trip(_Double(), KVCache(LAYOUT).peer_info(SID))
+    with pytest.raises(TypeError, match="Can't instantiate abstract class TransferBackend"):
+        TransferBackend()  # type: ignore[abstract]

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import structlog
 
@@ -131,6 +131,7 @@ class TransferPlan:
 
 
 OpCallback = Callable[["TransferOp"], object]
+_Backend = TypeVar("_Backend", bound="TransferBackend")
 
 
 class TransferOp:
@@ -295,8 +296,8 @@ class TransferBackend(abc.ABC):
     """Moves plans to peers. Implementations: MooncakeBackend, LocalBackend.
 
     The base owns the peer table: what each peer advertised (``add_peer``),
-    the only ranges plans to it may write. Subclasses call ``__init__`` and
-    check each plan against ``advertised_regions(plan.peer)``.
+    the only ranges plans to it may write. Subclasses check each plan against
+    ``advertised_regions(plan.peer)``.
     """
 
     name: str = "abstract"
@@ -305,8 +306,12 @@ class TransferBackend(abc.ABC):
     # access is one dict operation, atomic on its own: no lock, so a backend may
     # read it under its own lock together with the state that lock guards.
 
-    def __init__(self) -> None:
+    # The table is made here, not in __init__: a subclass (a test double, a
+    # wrapper) need not call the base's __init__ for add_peer to work.
+    def __new__(cls: type[_Backend], *args: object, **kwargs: object) -> _Backend:
+        self = super().__new__(cls)
         self._advertised = {}
+        return self
 
     @abc.abstractmethod
     def submit(self, plan: TransferPlan) -> TransferOp:

@@ -156,8 +156,7 @@ class FaultInjectingBackend(TransferBackend):
     _closed: bool  # once True: no new faults, submits go straight to inner
 
     def __init__(self, inner: TransferBackend, plan: FaultPlan) -> None:
-        super().__init__()  # its own peer table stays empty: peers are the inner's
-        self.inner = inner
+        self.inner = inner  # the peer table that counts; this one's stays empty
         self.plan = plan
         self.name = f"faults({inner.name})"
         self._lock = threading.Lock()

@@ -90,7 +90,6 @@ class LocalBackend(TransferBackend):
     def __init__(self, peers: Mapping[str, KVCache] | None = None, *, workers: int = 4) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
-        super().__init__()
         self._lock = threading.Lock()
         self._peers = {}
         self._sources = {}
