@@ -31,7 +31,6 @@ without a terminal transition ends it with WORKER_EXITED (I3).
 
 from __future__ import annotations
 
-import heapq
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from transfer import (
     TransferTimeout,
 )
 
-from ._deadlines import Timers
+from ._lazyheap import LazyHeap
 from ._peers import Peers
 from ._phase import ENDABLE, Phase, move
 from ._records import Finished, ReleaseCallback, RetryPolicy, detach_traceback
@@ -61,7 +60,6 @@ from ._requests import Request, RequestTable, ScheduledLifecycle, fail_all, sett
 __all__ = ["SchedulerCore", "StepResult"]
 
 _log = structlog.get_logger("kvguard.scheduler")
-_QUEUE_COMPACT_MIN = 64
 # An Enum class lookup costs ~150 ns: once here.
 _DONE = TransferState.DONE
 _NEW, _QUEUED, _RUNNING = Phase.NEW, Phase.QUEUED, Phase.RUNNING
@@ -104,12 +102,12 @@ class SchedulerCore:
         self._lock = threading.Lock()
         self._now = 0.0  # the time step() was given
         self._owner: int | None = None  # the thread inside step(), while it is
-        self._queue: list[tuple[int, int, Request]] = []  # (-priority, seq, QUEUED request)
-        self._queue_stale = 0  # queue items no longer QUEUED
-        self._seq = 0
+        # Lazy-deletion heaps: an item is wanted while its request is in the
+        # phase the heap serves; the core discard()s it when the request leaves.
+        self._queue: LazyHeap[int, Request] = LazyHeap(lambda r: r.phase is _QUEUED)  # -priority
         self._running = 0  # requests RUNNING or in BACKOFF; <= max_in_flight
-        self._deadlines: Timers[Request] = Timers(lambda r, _due: r.phase in ENDABLE)
-        self._backoffs: Timers[Request] = Timers(lambda r, _due: r.phase is _BACKOFF)
+        self._deadlines: LazyHeap[float, Request] = LazyHeap(lambda r: r.phase in ENDABLE)
+        self._backoffs: LazyHeap[float, Request] = LazyHeap(lambda r: r.phase is _BACKOFF)
         self._quarantine = Quarantine()
         self._finished: list[Finished] = []  # this step's outcomes
         self._reported: list[Request] = []  # this step's terminal requests
@@ -215,7 +213,7 @@ class SchedulerCore:
             releases, self._releases = self._releases, []
             reported, self._reported = self._reported, []
             next_at = probe_at
-            for t in (self._deadlines.next_due(), self._backoffs.next_due()):
+            for t in (self._deadlines.next_key(), self._backoffs.next_key()):
                 if t is not None and (next_at is None or t < next_at):
                     next_at = t
             self._owner = None
@@ -230,8 +228,7 @@ class SchedulerCore:
             self._finish(req)
             return
         self._deadlines.push(req.deadline, req)
-        self._seq += 1
-        heapq.heappush(self._queue, (-req.priority, self._seq, req))
+        self._queue.push(-req.priority, req)
 
     def _on_terminal(self, req: Request) -> None:
         if req.phase is not _NEW:  # NEW: _on_new, later in the inbox, finishes it
@@ -278,12 +275,11 @@ class SchedulerCore:
         self._finish(req, expired=True)
 
     def _admit(self) -> None:
-        queue = self._queue
-        while self._running < self.max_in_flight and queue:
-            req = heapq.heappop(queue)[2]
-            if req.phase is not _QUEUED:
-                self._queue_stale -= 1
-                continue
+        pop = self._queue.pop
+        while self._running < self.max_in_flight:
+            req = pop()  # highest priority first, FIFO among equals
+            if req is None:
+                return
             self._running += 1
             move(req, _RUNNING)
             self._advance(req)
@@ -355,10 +351,9 @@ class SchedulerCore:
         phase = req.phase
         if phase not in ENDABLE:
             return  # NEW: _on_new, later in the inbox, finishes it; or finished already
-        move(req, _FINISHED)  # first: a queue compaction drops this item too
+        move(req, _FINISHED)  # first: a compaction drops its items too
         if phase is _QUEUED:
-            self._queue_stale += 1
-            self._compact_queue()
+            self._queue.discard()
         else:
             self._running -= 1
             if phase is _BACKOFF:
@@ -393,13 +388,6 @@ class SchedulerCore:
         if self._quarantine.enter(req):
             move(req, _RELEASING)
             self._releases.append(req)
-
-    def _compact_queue(self) -> None:
-        queue = self._queue
-        if len(queue) >= _QUEUE_COMPACT_MIN and 2 * self._queue_stale > len(queue):
-            self._queue = [x for x in queue if x[2].phase is _QUEUED]
-            heapq.heapify(self._queue)
-            self._queue_stale = 0
 
     # -- reads (any thread) ------------------------------------------------------------
 

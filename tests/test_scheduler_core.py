@@ -66,7 +66,7 @@ from lifecycle import (
     TransferState,
     TransitionRecord,
 )
-from scheduler import _core, _deadlines
+from scheduler import _core, _lazyheap
 from scheduler._core import SchedulerCore
 from scheduler._drivers import _contained
 from scheduler._records import Finished, RetryPolicy
@@ -425,8 +425,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.wakes: dict[str, int] = {}  # request#order -> waiters woken
         self.double_expected = 0  # releases replayed on purpose (the detector must count them)
         # Small compaction thresholds, so that 8 ids exercise the compaction.
-        self._thresholds = (_core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN)
-        _core._QUEUE_COMPACT_MIN = _deadlines._COMPACT_MIN = COMPACT_MIN
+        self._threshold = _lazyheap._COMPACT_MIN
+        _lazyheap._COMPACT_MIN = COMPACT_MIN
         # Found inside callbacks, which must not raise: (invariant, detail).
         self.violations: list[tuple[str, str]] = []
         self.done_calls: dict[int, int] = {}  # id(lifecycle) -> user done-callback calls
@@ -997,7 +997,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         # Only restores what __init__ patched: every check is a rule's or an invariant's.
-        _core._QUEUE_COMPACT_MIN, _deadlines._COMPACT_MIN = self._thresholds
+        _lazyheap._COMPACT_MIN = self._threshold
         _core._log = self._saved_log
 
 
@@ -1240,18 +1240,18 @@ def test_in_flight_counter_admits_exactly_up_to_the_limit() -> None:
 
 
 def test_queue_stale_count_and_compaction_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_core, "_QUEUE_COMPACT_MIN", 4)
+    monkeypatch.setattr(_lazyheap, "_COMPACT_MIN", 4)
     c = Core(max_in_flight=1)
     c.submit("run")
     c.step()
     queued = [c.submit(f"q{i}") for i in range(4)]
     c.step()
-    assert (len(c.core._queue), c.core._queue_stale) == (4, 0)
+    assert (len(c.core._queue), c.core._queue._stale) == (4, 0)
     sizes = []
     for req in queued[:3]:
         req.lc.fail(R.ABORTED)
         c.step()
-        sizes.append((len(c.core._queue), c.core._queue_stale))
+        sizes.append((len(c.core._queue), c.core._queue._stale))
     # 2 * stale must exceed the size (2 of 4 is not enough); 4 items is enough to compact.
     assert sizes == [(4, 1), (4, 2), (1, 0)]
     assert c.core.sizes()["queue"] == 1
@@ -1267,11 +1267,11 @@ def test_admission_skips_stale_queue_items_and_counts_them_off() -> None:
     c.step()
     first.lc.fail(R.ABORTED)
     c.step()
-    assert (len(c.core._queue), c.core._queue_stale) == (3, 1)
+    assert (len(c.core._queue), c.core._queue._stale) == (3, 1)
     c.finish("run")
     c.step()
     assert [s[0] for s in c.backend.submits] == ["run", "q1"]
-    assert (len(c.core._queue), c.core._queue_stale) == (1, 0)
+    assert (len(c.core._queue), c.core._queue._stale) == (1, 0)
 
 
 def test_three_retryable_failures_in_a_row_fail_on_the_third_attempt() -> None:
