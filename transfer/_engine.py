@@ -3,23 +3,31 @@
 Everything here touches ``mooncake.engine`` or the process environment the
 engine reads; ``mooncake.py`` builds the backend on top. The ``mooncake``
 package is imported on first use, so ``transfer`` imports on hosts without
-the wheel.
+the wheel. ``ENGINE_EXIT`` ends the threads that call the engine before the
+interpreter finalizes, and ``keep_forever`` leaks what the engine may still touch.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import importlib
 import ipaddress
 import os
 import re
+import socket
+import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, Final
 
+import structlog
 import torch
 
 from .errors import EngineError, RegistrationError
@@ -29,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_PEER_ENTRIES",
     "DEFAULT_TRANSFER_TIMEOUT_S",
     "ENGINE_CODES",
+    "ENGINE_EXIT",
     "ENGINE_LOG_ENV",
     "ENGINE_PEER_LIMITS",
     "MIN_TRANSFER_TIMEOUT_S",
@@ -37,9 +46,12 @@ __all__ = [
     "engine_peer_budget",
     "import_engine",
     "is_wildcard",
+    "keep_forever",
     "location",
     "make_engine",
 ]
+
+_log = structlog.get_logger("kvguard.transfer")
 
 MIN_TRANSFER_TIMEOUT_S: Final = 5  # the engine clamps MC_TRANSFER_TIMEOUT to at least this
 DEFAULT_TRANSFER_TIMEOUT_S: Final = 30
@@ -233,3 +245,156 @@ def location(device: torch.device) -> str:
     if index is None and device.type == "cuda":
         index = torch.cuda.current_device()
     return template.format(i=index)
+
+
+# -- interpreter exit ---------------------------------------------------------------
+#
+# send_probe, transfer_submit_write and transfer_check_status release the GIL
+# (pybind11's gil_scoped_release) and take it back on return, from that
+# object's destructor, which is noexcept. A daemon thread that asks for the
+# GIL once the interpreter is finalizing is ended by CPython with
+# pthread_exit (3.11, measured), whose forced unwind reaches that noexcept
+# frame: std::terminate, "terminate called without an active exception",
+# SIGABRT, exit status 134 -- after the application's own atexit ran. A probe
+# of a frozen peer sits in send_probe for up to 60 s (the engine's
+# SO_RCVTIMEO), and the loop of an engine still holding entries polls it
+# until the process ends, so an exit can meet either. ENGINE_EXIT ends them
+# from an atexit hook instead, while threads may still take the GIL: no
+# engine call starts after it, the loops return, and a call stuck reading a
+# socket has that socket shut down so that it returns at once (measured:
+# send_probe to a frozen peer returns -102 ERR_SOCKET within a millisecond).
+
+# System call numbers of read, recvfrom and recvmsg: what a thread blocked in
+# an engine call waiting for a peer's answer is in.
+_READ_SYSCALLS: Final[Mapping[str, frozenset[int]]] = {
+    "x86_64": frozenset({0, 45, 47}),
+    "aarch64": frozenset({63, 207, 212}),
+}
+_EXIT_GRACE_S: Final = 0.1  # a loop pass, a call about to return: they end by themselves
+_EXIT_WAIT_S: Final = 3.0  # past the grace, calls blocked reading a socket are unblocked
+_EXIT_POLL_S: Final = 0.02
+
+
+class ExitGate:
+    """The threads that call the engine with the GIL released, and their end.
+
+    A thread is tracked before it starts and checks ``closing`` before each
+    engine call; ``close`` (the atexit hook, registered with the first thread)
+    sets it, wakes the tracked threads, waits for them to end and shuts down
+    the socket of any still blocked reading one. It never ends the process:
+    the application's exit status and the rest of its finalization stand.
+    """
+
+    closing: bool  # set once by close(): no engine call may start after it
+    _lock: threading.Lock
+    _threads: weakref.WeakKeyDictionary[threading.Thread, Callable[[], None] | None]  # (L) -> wake
+    _hooked: bool  # (L) close() is registered with atexit
+
+    def __init__(self) -> None:
+        self.closing = False
+        self._lock = threading.Lock()
+        self._threads = weakref.WeakKeyDictionary()
+        self._hooked = False
+
+    def track(self, thread: threading.Thread, wake: Callable[[], None] | None = None) -> None:
+        """Have ``close`` end ``thread`` (calling ``wake`` first, if given)."""
+        with self._lock:
+            self._threads[thread] = wake
+            if not self._hooked:
+                atexit.register(self.close)
+                self._hooked = True
+
+    def close(self) -> tuple[int, int]:
+        """End the tracked threads; return (sockets shut down, threads still alive).
+        Idempotent."""
+        with self._lock:
+            self.closing = True
+            tracked = [(t, w) for t, w in self._threads.items() if t.is_alive()]
+        for _, wake in tracked:
+            if wake is not None:
+                wake()
+        now = time.monotonic()
+        alive = _join([t for t, _ in tracked], now + _EXIT_GRACE_S)
+        unblocked = 0
+        deadline = now + _EXIT_WAIT_S
+        while alive and time.monotonic() < deadline:
+            unblocked += sum(_shut_blocked_read(t) for t in alive)
+            alive = _join(alive, min(deadline, time.monotonic() + _EXIT_POLL_S))
+        if alive:
+            _log.warning(
+                "engine_threads_alive_at_exit",
+                threads=[t.name for t in alive],
+                sockets_shut=unblocked,
+                risk="a thread that returns from the engine while the interpreter finalizes "
+                "aborts the process (terminate called without an active exception)",
+            )
+        elif unblocked:
+            _log.info("engine_calls_unblocked_at_exit", sockets_shut=unblocked)
+        return unblocked, len(alive)
+
+
+def _join(threads: list[threading.Thread], deadline: float) -> list[threading.Thread]:
+    """Wait until ``deadline`` for ``threads``; the ones still alive."""
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
+
+
+def _blocked_read_fd(path: str, reads: frozenset[int]) -> int | None:
+    """The file descriptor the thread of ``path`` (its /proc syscall file) is
+    blocked reading, if it is blocked in a read."""
+    try:
+        with open(path) as f:
+            fields = f.read().split()
+        nr, fd = int(fields[0]), int(fields[1], 16)  # "running" for a thread on a CPU
+    except (OSError, ValueError, IndexError):
+        return None
+    return fd if nr in reads else None
+
+
+def _shut_blocked_read(thread: threading.Thread) -> bool:
+    """Shut down the socket ``thread`` is blocked reading; True if it did.
+
+    The descriptor is duplicated and checked again after: if the thread
+    still blocks on the same number, the duplicate is its socket (a number
+    reused meanwhile would belong to another call of the same thread).
+    """
+    reads = _READ_SYSCALLS.get(os.uname().machine)
+    if reads is None or thread.native_id is None:
+        return False
+    path = f"/proc/self/task/{thread.native_id}/syscall"
+    fd = _blocked_read_fd(path, reads)
+    if fd is None:
+        return False
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        same = stat.S_ISSOCK(os.fstat(dup).st_mode) and _blocked_read_fd(path, reads) == fd
+        sock = socket.socket(fileno=dup) if same else None
+    except OSError:
+        sock = None
+    if sock is None:
+        os.close(dup)
+        return False
+    with sock:  # closes the duplicate only
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more: the call returns by itself
+            return False
+    return True
+
+
+ENGINE_EXIT: Final = ExitGate()
+
+
+def keep_forever(obj: object) -> None:
+    """Leak ``obj`` and everything it references until the process ends.
+
+    For engines and memory the engine may still read or write: keeping them
+    in a module global is not enough, since interpreter shutdown clears
+    module globals and would free them, or run the engine's destructor,
+    under the engine's threads.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

@@ -24,6 +24,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from ._engine import ENGINE_EXIT, keep_forever
 from .backend import TransferOp, TransferPlan
 from .errors import TransferCancelled, TransferError
 
@@ -165,6 +166,7 @@ class EngineLoop:
         self._peers = {}
         self._ops = set()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        ENGINE_EXIT.track(self.thread, self._wake.set)
         self.thread.start()
 
     def post(self, op: EngineOp) -> None:
@@ -199,6 +201,10 @@ class EngineLoop:
         last_progress = next_stale = 0.0
         try:
             while True:
+                if ENGINE_EXIT.closing:  # interpreter exit: no engine call from here on
+                    if self._ops:  # the engine may still touch their memory
+                        keep_forever(self)
+                    return
                 self._wake.clear()  # before reading the inbox: a later post wakes us
                 progress = self._take()
                 if self._stopping:

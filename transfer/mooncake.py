@@ -45,7 +45,6 @@ module is, so ``transfer`` imports on hosts without the wheel.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import threading
 from collections.abc import Callable, Mapping
@@ -58,12 +57,14 @@ import structlog
 from ._engine import (
     DEFAULT_MAX_PEER_ENTRIES,
     ENGINE_CODES,
+    ENGINE_EXIT,
     MIN_TRANSFER_TIMEOUT_S,
     P2P_HANDSHAKE,
     code_name,
     engine_peer_budget,
     import_engine,
     is_wildcard,
+    keep_forever,
     location,
     make_engine,
 )
@@ -124,11 +125,6 @@ FAILURE_CLASS: Final[Mapping[tuple[ProbeVerdict, bool], type[TransferError]]] = 
     (ProbeVerdict.SILENT, False): PeerUnreachable,
     (ProbeVerdict.SILENT, True): PeerLost,
 }
-
-# (engine, caches, loop) of backends closed while the engine still held
-# entries or probes: destroying the engine or freeing the memory under them
-# would be a use-after-free, so they live until the process ends.
-_ABANDONED: list[tuple[object, ...]] = []
 
 
 @dataclass(slots=True)
@@ -385,8 +381,9 @@ class MooncakeBackend(TransferBackend):
             return _finished(TransferOp(plan), error)
         op = EngineOp(plan, self._loop)
         with self._lock:
-            if self._closed:
-                failure: TransferError = BackendClosed(f"{self} is closed", peer=plan.peer)
+            if self._closed or ENGINE_EXIT.closing:  # no loop runs past interpreter exit
+                why = f"{self} is closed" if self._closed else "the interpreter is exiting"
+                failure: TransferError = BackendClosed(why, peer=plan.peer)
             elif len(self._live) >= self._max_pending:
                 failure = Backpressure(
                     f"{len(self._live)} ops pending on {self._session_id} "
@@ -419,7 +416,8 @@ class MooncakeBackend(TransferBackend):
         unregistered or freed: the engine, the caches and the loop are kept
         alive, deliberately leaked, until the process exits, with a warning.
         The loop goes on polling, so those ops still quiesce when the engine
-        is done with them.
+        is done with them; at interpreter exit it stops (``ENGINE_EXIT``) and
+        they stay leaked.
 
         Otherwise the engine is destroyed before close() returns, on the
         closing thread. Its destructor joins the engine's threads with the GIL
@@ -442,12 +440,9 @@ class MooncakeBackend(TransferBackend):
             self._reindex()
             held = len(self._live)
             probes = len(self._probes)
-        if loop.thread.is_alive() or probes:
-            kept = (engine, caches, loop)
-            _ABANDONED.append(kept)
-            # Immortal: interpreter shutdown clears module globals, which would
-            # run the engine's destructor under threads still using it.
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+        # A loop that ended holding ops (interpreter exit, a crash) did not see them quiesce.
+        if loop.thread.is_alive() or held or probes:
+            keep_forever((engine, caches, loop))
             _log.warning(
                 "engine_memory_kept",
                 session=self._session_id,
@@ -538,12 +533,14 @@ class MooncakeBackend(TransferBackend):
                 if engine is None:
                     return ProbeVerdict.REFUSED, None
                 call = self._probes[peer] = _ProbeCall()
-                threading.Thread(
+                prober = threading.Thread(
                     target=self._probe_thread,
                     args=(engine, peer, call),
                     name=f"kvguard-probe-{peer}",
                     daemon=True,
-                ).start()
+                )
+                ENGINE_EXIT.track(prober)
+                prober.start()
         state = self._peer(peer)
         if not call.done.wait(self._probe_timeout_s if timeout is None else timeout):
             state.dead = ProbeVerdict.SILENT
@@ -557,7 +554,8 @@ class MooncakeBackend(TransferBackend):
 
     def _probe_thread(self, engine: Any, peer: str, call: _ProbeCall) -> None:
         try:
-            call.rc = int(engine.send_probe(peer))
+            if not ENGINE_EXIT.closing:  # past it the call stays -1: refused
+                call.rc = int(engine.send_probe(peer))
         except Exception:
             _log.exception("probe_raised", peer=peer)
         finally:
