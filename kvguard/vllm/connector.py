@@ -47,7 +47,7 @@ from vllm.v1.request import RequestStatus
 from scheduler import RetryPolicy
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
 from transfer.backend import TransferBackend
-from transfer.mooncake import MooncakeBackend
+from transfer.mooncake import MooncakeBackend, engine_peer_budget
 from transfer.peer_protocol import peer_message_of
 
 from .decode_loads import DecodeReceiver
@@ -71,6 +71,7 @@ P_ENDPOINT = "kvguard_endpoint"
 P_REQUEST = "kvguard_request_id"
 P_DEADLINE = "kvguard_deadline_s"
 _RECENT = 4096
+_PROTOCOLS = ("tcp", "rdma")  # what kvguard's backend is built and documented for
 
 
 @dataclass
@@ -80,7 +81,11 @@ class _Settings:
     deadline_s: float = 10.0  # per request unless kv_transfer_params say otherwise
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
-    workers: int = 4
+    # prefill: kvguard transfers in flight at once; 0 follows the engine's own
+    # per-peer entry budget (every transfer is at least one entry, and the
+    # backend's engine loop holds entries beyond that budget back itself).
+    max_inflight: int = 0
+    protocol: str = "tcp"  # Mooncake's transport: "rdma" where a NIC exists
     max_attempts: int = 3  # kvguard's bounded retries of retryable transfer errors
     fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
     fault_seed: int = 0
@@ -100,7 +105,19 @@ class _Settings:
             setattr(s, name, tuple(value) if isinstance(default, tuple) else type(default)(value))
         if s.deadline_s <= 0:
             raise ValueError(f"kvguard_deadline_s must be > 0, got {s.deadline_s}")
+        if s.max_inflight < 0:
+            raise ValueError(f"kvguard_max_inflight must be >= 0, got {s.max_inflight}")
+        if s.protocol not in _PROTOCOLS:
+            raise ValueError(f"kvguard_protocol must be one of {_PROTOCOLS}, got {s.protocol!r}")
         return s
+
+    def inflight(self) -> int:
+        """Prefill: kvguard transfers in flight at once."""
+        return self.max_inflight or engine_peer_budget()
+
+    def make_backend(self) -> MooncakeBackend:
+        # MC_FORCE_TCP would override the protocol: set it only when TCP is asked for.
+        return MooncakeBackend(self.host, protocol=self.protocol, force_tcp=self.protocol == "tcp")
 
 
 @dataclass
@@ -251,7 +268,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 )
         layout = KVLayout(len(names), num_blocks, block_bytes, kv_split=False)
         self.cache = KVCache(layout, tensors=tensors)
-        self.backend = MooncakeBackend(self.settings.host)
+        self.backend = self.settings.make_backend()
         self.backend.register(self.cache)
         s = self.settings
         if self.is_producer:
@@ -266,7 +283,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 self.cache,
                 f"tcp://*:{s.control_port}" if s.host != "127.0.0.1" else self.endpoint,
                 peer_backends=(self.backend,),
-                workers=s.workers,
+                workers=s.inflight(),
                 retry=RetryPolicy(max_attempts=s.max_attempts),
             )
         else:
