@@ -17,9 +17,9 @@ from lifecycle._lazy import lazy_getattr
 
 # Imported on first use (PEP 562): `kvguard --help`, `trace` and `diagram`
 # import this package but move no KV, so they must not pay for torch and the
-# engine that the facade pulls in. Name -> the module that defines it.
+# engine that ``Scheduler`` pulls in. Name -> the module that defines it.
 _LAZY = {
-    "Scheduler": "._facade",
+    "Scheduler": "._scheduler",
     **dict.fromkeys(
         (
             "DEFAULT_PEER_LOST_AFTER_PROBES",
@@ -61,7 +61,6 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from ._facade import Scheduler
     from ._records import (
         DEFAULT_PEER_LOST_AFTER_PROBES,
         Finished,
@@ -69,6 +68,7 @@ if TYPE_CHECKING:
         ReleaseCallback,
         RetryPolicy,
     )
+    from ._scheduler import Scheduler
     from .errors import (
         DriverFailed,
         DuplicateRequest,

@@ -15,7 +15,7 @@ everything that happened since the last step waits in the inbox. One step:
 
 and repeats 1-5 until the inbox is empty. It returns what became terminal,
 what may be released, which peers to probe, and when it next needs a step.
-Drivers (``_drivers.py``) and the facade do the rest: run callbacks, probes.
+Drivers (``_drivers.py``) and ``Scheduler`` do the rest: run callbacks, probes.
 
 Who may end a request (I2): the core (complete, a typed failure, TIMEOUT,
 PEER_LOST, the guard), and any thread through the request's lifecycle

@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 
 from lifecycle import FailureReason, TransferState
 
-from ._facade import Scheduler
 from ._records import Finished, MetricsSnapshot
+from ._scheduler import Scheduler
 
 __all__ = [
     "LATENCY_BUCKETS",

@@ -28,7 +28,7 @@ import structlog
 
 from lifecycle import TransferState
 
-from ._facade import Scheduler
+from ._scheduler import Scheduler
 
 __all__ = [
     "QuarantinedRequest",
