@@ -54,8 +54,8 @@ from ._lazyheap import LazyHeap
 from ._peers import Peers
 from ._phase import ENDABLE, Phase, move
 from ._records import Finished, ReleaseCallback, RetryPolicy, detach_traceback
-from ._release import Quarantine, ReleaseChecks
-from ._requests import Request, RequestTable, ScheduledLifecycle, fail_all, settle
+from ._release import ReleaseChecks, ReleaseQuarantine
+from ._requests import RequestRecord, RequestTable, ScheduledLifecycle, fail_all, settle
 
 __all__ = ["SchedulerCore", "StepResult"]
 
@@ -68,7 +68,7 @@ _BACKOFF, _FINISHED, _RELEASING = Phase.BACKOFF, Phase.FINISHED, Phase.RELEASING
 
 class StepResult(NamedTuple):
     finished: list[Finished]  # became terminal in this step, in order
-    releases: list[Request]  # terminal and quiesced: run their release, then forget them
+    releases: list[RequestRecord]  # terminal and quiesced: run their release, then forget them
     probes: list[str]  # peers to probe now; report with probe_result()
     wakers: list[Callable[[], object]]  # waiters of the finished requests, to wake
     next_at: float | None  # step again by then at the latest (None: only on input)
@@ -102,16 +102,17 @@ class SchedulerCore:
         self._lock = threading.Lock()
         self._now = 0.0  # the time step() was given
         self._owner: int | None = None  # the thread inside step(), while it is
+        self._running = 0  # requests RUNNING or in BACKOFF; <= max_in_flight
         # Lazy-deletion heaps: an item is wanted while its request is in the
         # phase the heap serves; the core discard()s it when the request leaves.
-        self._queue: LazyHeap[int, Request] = LazyHeap(lambda r: r.phase is _QUEUED)  # -priority
-        self._running = 0  # requests RUNNING or in BACKOFF; <= max_in_flight
-        self._deadlines: LazyHeap[float, Request] = LazyHeap(lambda r: r.phase in ENDABLE)
-        self._backoffs: LazyHeap[float, Request] = LazyHeap(lambda r: r.phase is _BACKOFF)
-        self._quarantine = Quarantine()
+        # The queue is keyed by -priority: the highest priority pops first.
+        self._queue: LazyHeap[int, RequestRecord] = LazyHeap(lambda r: r.phase is _QUEUED)
+        self._deadlines: LazyHeap[float, RequestRecord] = LazyHeap(lambda r: r.phase in ENDABLE)
+        self._backoffs: LazyHeap[float, RequestRecord] = LazyHeap(lambda r: r.phase is _BACKOFF)
+        self._quarantine = ReleaseQuarantine()
         self._finished: list[Finished] = []  # this step's outcomes
-        self._reported: list[Request] = []  # this step's terminal requests
-        self._releases: list[Request] = []  # this step's hand-outs
+        self._reported: list[RequestRecord] = []  # this step's terminal requests
+        self._releases: list[RequestRecord] = []  # this step's hand-outs
         self.done = 0
         self.failed: Counter[str] = Counter()
         self.bytes_done = 0
@@ -126,7 +127,7 @@ class SchedulerCore:
         deadline_s: float,
         priority: int,
         release: ReleaseCallback | None,
-    ) -> Request:
+    ) -> RequestRecord:
         lc = ScheduledLifecycle(
             request_id,
             self.defer,
@@ -134,7 +135,7 @@ class SchedulerCore:
             max_attempts=self.retry.max_attempts,
             journal=self.journal,
         )
-        return Request(lc, plan, now, deadline_s, priority, release)
+        return RequestRecord(lc, plan, now, deadline_s, priority, release)
 
     def _ended(self, lc: RequestLifecycle) -> None:
         # Every request's first done-callback, once, in the thread that ended it.
@@ -142,7 +143,7 @@ class SchedulerCore:
         if req is not None and self._owner != threading.get_ident():
             self.table.post(self._on_terminal, req)  # the core handles its own endings
 
-    def accept(self, req: Request, info: PeerInfo) -> None:
+    def accept(self, req: RequestRecord, info: PeerInfo) -> None:
         """Admit ``req`` (see RequestTable.admit); the caller retries on LookupError."""
         self.table.admit(req, info, self._on_new, settle)
         self.table.wake()
@@ -170,7 +171,7 @@ class SchedulerCore:
         victims = self._lose(session_id)
         return None if victims is None else fail_all(victims, FailureReason.PEER_LOST, err)
 
-    def _lose(self, session_id: str) -> list[Request] | None:
+    def _lose(self, session_id: str) -> list[RequestRecord] | None:
         with self.table.lock:
             if self.table.peers.get(session_id) is None:
                 return None
@@ -180,7 +181,7 @@ class SchedulerCore:
             self.table.wake()  # the driver schedules probes that may revive it
         return victims
 
-    def shutdown(self) -> list[Request]:
+    def shutdown(self) -> list[RequestRecord]:
         """Refuse submits; fail every live request with SHUTDOWN."""
         live = self.table.close()
         fail_all(live, FailureReason.SHUTDOWN, None)
@@ -222,7 +223,7 @@ class SchedulerCore:
 
     # -- inbox handlers (step only) -------------------------------------------------
 
-    def _on_new(self, req: Request) -> None:
+    def _on_new(self, req: RequestRecord) -> None:
         move(req, _QUEUED)
         if req.lc.is_terminal:  # empty plan, dead peer, or ended before we saw it
             self._finish(req)
@@ -230,15 +231,15 @@ class SchedulerCore:
         self._deadlines.push(req.deadline, req)
         self._queue.push(-req.priority, req)
 
-    def _on_terminal(self, req: Request) -> None:
+    def _on_terminal(self, req: RequestRecord) -> None:
         if req.phase is not _NEW:  # NEW: _on_new, later in the inbox, finishes it
             self._finish(req)
 
-    def _on_op_done(self, req: Request, op: TransferOp) -> None:
+    def _on_op_done(self, req: RequestRecord, op: TransferOp) -> None:
         if req.phase is _RUNNING and op is req.op:
             self._advance(req)
 
-    def _on_op_quiesced(self, req: Request, op: TransferOp) -> None:
+    def _on_op_quiesced(self, req: RequestRecord, op: TransferOp) -> None:
         req.unquiesced -= 1
         if req.phase is _FINISHED and self._quarantine.take(req):
             move(req, _RELEASING)
@@ -262,7 +263,7 @@ class SchedulerCore:
 
     # -- timers and admission (step only) ------------------------------------------------
 
-    def _expire(self, req: Request) -> None:
+    def _expire(self, req: RequestRecord) -> None:
         lc = req.lc
         lc.fail(
             FailureReason.TIMEOUT,
@@ -286,7 +287,7 @@ class SchedulerCore:
 
     # -- one request's worker, guarded (step only) -------------------------------------
 
-    def _advance(self, req: Request) -> None:
+    def _advance(self, req: RequestRecord) -> None:
         """Run the request's worker body once, inside the guard (I3)."""
         lc = req.lc
         try:
@@ -302,7 +303,7 @@ class SchedulerCore:
                 lc.fail(FailureReason.WORKER_EXITED)
             self._finish(req)
 
-    def _work(self, req: Request) -> bool:
+    def _work(self, req: RequestRecord) -> bool:
         """The worker body: True while it waits for an op or a backoff."""
         op = req.op
         if op is None:
@@ -310,7 +311,7 @@ class SchedulerCore:
         req.op = None
         return self._conclude(req, op)
 
-    def _start_attempt(self, req: Request) -> bool:
+    def _start_attempt(self, req: RequestRecord) -> bool:
         if not req.lc.start():
             return False  # ended while queued or backing off
         if req.phase is _BACKOFF:
@@ -324,7 +325,7 @@ class SchedulerCore:
         op.add_done_callback(partial(post, self._on_op_done, req))
         return True
 
-    def _conclude(self, req: Request, op: TransferOp) -> bool:
+    def _conclude(self, req: RequestRecord, op: TransferOp) -> bool:
         """The op has its result: complete, fail with its reason, or back off."""
         lc, err = req.lc, op.error
         if lc.is_terminal:
@@ -347,7 +348,7 @@ class SchedulerCore:
 
     # -- terminal, quarantine, release (step only) -----------------------------------------
 
-    def _finish(self, req: Request, *, expired: bool = False) -> None:
+    def _finish(self, req: RequestRecord, *, expired: bool = False) -> None:
         phase = req.phase
         if phase not in ENDABLE:
             return  # NEW: _on_new, later in the inbox, finishes it; or finished already
@@ -395,7 +396,7 @@ class SchedulerCore:
         """(requests, bytes) terminal but not yet releasable; call under ``lock``."""
         return len(self._quarantine), self._quarantine.nbytes
 
-    def quarantined(self) -> list[Request]:
+    def quarantined(self) -> list[RequestRecord]:
         """The quarantined requests, oldest terminal first; call under ``lock``."""
         return self._quarantine.held()
 

@@ -2,7 +2,7 @@
 
 A terminal request's blocks may still be read or written by an engine call
 that has not returned (a timed-out transfer is not a cancelled one). The
-core keeps such a request in ``Quarantine`` until every op submitted for it
+core keeps such a request in ``ReleaseQuarantine`` until every op submitted for it
 has quiesced, then hands it out exactly once. ``run_release`` runs the
 user's release callback on the callback thread, re-checking both halves of
 I6 on its own evidence (the ops' own quiesced flags, the table's record of
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import structlog
 
-from ._requests import Request, RequestTable
+from ._requests import RequestRecord, RequestTable
 
-__all__ = ["Quarantine", "ReleaseChecks", "run_release"]
+__all__ = ["ReleaseChecks", "ReleaseQuarantine", "run_release"]
 
 _log = structlog.get_logger("kvguard.scheduler")
 
 
-class Quarantine:
+class ReleaseQuarantine:
     """Terminal requests waiting for their ops to quiesce (core-owned)."""
 
     __slots__ = ("_held", "nbytes")
 
-    _held: dict[Request, None]  # FINISHED requests not yet handed out, in terminal order
+    _held: dict[RequestRecord, None]  # FINISHED requests not yet handed out, in terminal order
     nbytes: int  # sum of their plans' bytes
 
     def __init__(self) -> None:
@@ -36,10 +36,10 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._held)
 
-    def held(self) -> list[Request]:
+    def held(self) -> list[RequestRecord]:
         return list(self._held)
 
-    def enter(self, req: Request) -> bool:
+    def enter(self, req: RequestRecord) -> bool:
         """``req`` just became terminal: True if it may be released at once
         (the usual case: every op already quiesced); else it is held."""
         if self.ready(req):
@@ -49,11 +49,11 @@ class Quarantine:
         return False
 
     @staticmethod
-    def ready(req: Request) -> bool:
+    def ready(req: RequestRecord) -> bool:
         """May its blocks be given back? Only when no op can touch them."""
         return req.unquiesced == 0
 
-    def take(self, req: Request) -> bool:
+    def take(self, req: RequestRecord) -> bool:
         """Hand ``req`` out if it is held and ready; True exactly once per request."""
         if req not in self._held or not self.ready(req):
             return False
@@ -70,7 +70,7 @@ class ReleaseChecks:
 
     __slots__ = ("before_quiesce", "double", "running")
 
-    running: set[Request]  # release callbacks running, to tell a second release
+    running: set[RequestRecord]  # release callbacks running, to tell a second release
     before_quiesce: int  # releases that found an op of the request not quiesced
     double: int  # releases of a request already released or not in the table
 
@@ -79,7 +79,7 @@ class ReleaseChecks:
         self.before_quiesce = 0
         self.double = 0
 
-    def begin(self, req: Request, held: bool) -> bool:
+    def begin(self, req: RequestRecord, held: bool) -> bool:
         if req in self.running or not held:
             self.double += 1
             return False
@@ -91,7 +91,7 @@ class ReleaseChecks:
         return True
 
 
-def run_release(req: Request, table: RequestTable, checks: ReleaseChecks) -> None:
+def run_release(req: RequestRecord, table: RequestTable, checks: ReleaseChecks) -> None:
     """Callback thread: the user's release callback, then the id is free again."""
     with table.lock:
         ok = checks.begin(req, table.holds(req))

@@ -1,6 +1,6 @@
 """The request table: every request from submit() until its release.
 
-``Request`` is one request's record. ``RequestTable`` is the scheduler's
+``RequestRecord`` is one request's record. ``RequestTable`` is the scheduler's
 only thread-safe state, under one lock: the ids in use (so that submit()
 can answer DuplicateRequest at once), the peers (so that peer changes are
 atomic with submit), the inbox through which other threads hand inputs to
@@ -27,7 +27,7 @@ from .errors import DuplicateRequest, SchedulerClosed, UnknownPeer
 
 __all__ = [
     "RECENT",
-    "Request",
+    "RequestRecord",
     "RequestTable",
     "ScheduledLifecycle",
     "Tombstone",
@@ -50,10 +50,10 @@ class ScheduledLifecycle(RequestLifecycle):
     __slots__ = ("_defer", "_request")
 
     _defer: Callable[[Callable[[], object]], None]
-    # Set by Request.__init__; taken (and cleared) by the scheduler's hook at
+    # Set by RequestRecord.__init__; taken (and cleared) by the scheduler's hook at
     # the terminal transition, so no cycle outlives the request: a caller
     # holding the lifecycle does not pin the plan, ops and error.
-    _request: Request | None
+    _request: RequestRecord | None
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class ScheduledLifecycle(RequestLifecycle):
         self._defer = defer
         super().add_done_callback(ended)  # the base class: inline, not deferred
 
-    def take_request(self) -> Request | None:
+    def take_request(self) -> RequestRecord | None:
         """The request, the first time only (the scheduler's hook calls it)."""
         req, self._request = self._request, None
         return req
@@ -80,8 +80,11 @@ class ScheduledLifecycle(RequestLifecycle):
         super().add_done_callback(lambda lc: defer(lambda: fn(lc)))
 
 
-class Request:
-    """One request. Fields marked (core) are read and written by step() only."""
+class RequestRecord:
+    """What the scheduler keeps of one request, from submit() until its release.
+
+    Fields marked (core) are read and written by step() only.
+    """
 
     __slots__ = (
         "deadline",
@@ -173,14 +176,14 @@ class RequestTable:
     lock: threading.Lock
     idle: threading.Condition  # on lock; notified when _by_id empties
     closed: bool  # no submit is accepted once True
-    _by_id: dict[str, Request]  # submit() .. release callback returned; ids unique
+    _by_id: dict[str, RequestRecord]  # submit() .. release callback returned; ids unique
     _recent: OrderedDict[str, Tombstone]  # the last RECENT released, oldest first
-    peers: Peers[Request]
+    peers: Peers[RequestRecord]
     inbox: deque[Input]  # inputs for the core, in arrival order; drained by step()
     wake: Callable[[], None]  # tells the driver the inbox has something
     released: int  # release callbacks that returned (or raised)
 
-    def __init__(self, peers: Peers[Request]) -> None:
+    def __init__(self, peers: Peers[RequestRecord]) -> None:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.closed = False
@@ -210,10 +213,10 @@ class RequestTable:
 
     def admit(
         self,
-        req: Request,
+        req: RequestRecord,
         info: PeerInfo,
-        on_new: Callable[[Request], object],
-        settle: Callable[[Request, bool], object],
+        on_new: Callable[[RequestRecord], object],
+        settle: Callable[[RequestRecord, bool], object],
     ) -> None:
         """Accept ``req`` atomically with peer changes.
 
@@ -242,22 +245,22 @@ class RequestTable:
             settle(req, peer.alive)
             self.inbox.append((on_new, (req,)))
 
-    def find(self, request_id: str) -> Request | Tombstone | None:
+    def find(self, request_id: str) -> RequestRecord | Tombstone | None:
         with self.lock:
             return self._by_id.get(request_id) or self._recent.get(request_id)
 
-    def requests(self) -> list[Request]:
+    def requests(self) -> list[RequestRecord]:
         with self.lock:
             return list(self._by_id.values())
 
-    def close(self) -> list[Request]:
+    def close(self) -> list[RequestRecord]:
         with self.lock:
             self.closed = True
             return list(self._by_id.values())
 
     # -- waiters -------------------------------------------------------------------
 
-    def add_waker(self, req: Request, fn: Callable[[], object]) -> bool:
+    def add_waker(self, req: RequestRecord, fn: Callable[[], object]) -> bool:
         """Call ``fn`` once the core has seen ``req`` terminal; False if it has."""
         with self.lock:
             if req.reported:
@@ -267,7 +270,7 @@ class RequestTable:
             req.wakers.append(fn)
             return True
 
-    def report(self, reqs: list[Request]) -> list[Callable[[], object]]:
+    def report(self, reqs: list[RequestRecord]) -> list[Callable[[], object]]:
         """Mark reported; returns the wakers to call (outside the lock)."""
         out: list[Callable[[], object]] = []
         with self.lock:
@@ -285,11 +288,11 @@ class RequestTable:
 
     # -- release ---------------------------------------------------------------------
 
-    def holds(self, req: Request) -> bool:
+    def holds(self, req: RequestRecord) -> bool:
         """Under ``lock``: is ``req`` the request its id stands for?"""
         return self._by_id.get(req.request_id) is req
 
-    def forget(self, req: Request, releasing: set[Request]) -> bool:
+    def forget(self, req: RequestRecord, releasing: set[RequestRecord]) -> bool:
         """The release callback returned: free the id. False if it was not held."""
         rid = req.request_id
         with self.lock:
@@ -314,7 +317,7 @@ class RequestTable:
             return self.idle.wait_for(lambda: not self._by_id, timeout)
 
 
-def settle(req: Request, alive: bool) -> None:
+def settle(req: RequestRecord, alive: bool) -> None:
     # Under the table lock, before the core sees the request.
     lc = req.lc
     if not req.plan.batches:
@@ -329,7 +332,7 @@ def settle(req: Request, alive: bool) -> None:
         )
 
 
-def fail_all(reqs: list[Request], reason: FailureReason, err: BaseException | None) -> int:
+def fail_all(reqs: list[RequestRecord], reason: FailureReason, err: BaseException | None) -> int:
     return sum(r.lc.fail(reason, err) for r in reqs)
 
 

@@ -50,7 +50,7 @@ from ._records import (
     RetryPolicy,
 )
 from ._release import run_release
-from ._requests import Request, RequestTable, Tombstone
+from ._requests import RequestRecord, RequestTable, Tombstone
 from .errors import DriverFailed, InvalidRequest, SchedulerClosed, UnknownPeer, UnknownRequest
 
 __all__ = ["Scheduler"]
@@ -318,7 +318,7 @@ class Scheduler:
                 out.append(pop())
         return out
 
-    def _find(self, request_id: str) -> Request | Tombstone:
+    def _find(self, request_id: str) -> RequestRecord | Tombstone:
         found = self._table.find(request_id)
         if found is None:
             raise UnknownRequest(f"unknown request {request_id!r}")
@@ -327,14 +327,14 @@ class Scheduler:
     def get(self, request_id: str) -> RequestLifecycle:
         """The request's lifecycle; for a released one, while the caller still holds it."""
         found = self._find(request_id)
-        if isinstance(found, Request):
+        if isinstance(found, RequestRecord):
             return found.lc
         lc = found.lifecycle()
         if lc is None:
             raise UnknownRequest(f"request {request_id!r} was released and forgotten")
         return lc
 
-    def _waitable(self, request_id: str, wake: Callable[[], object]) -> Request | None:
+    def _waitable(self, request_id: str, wake: Callable[[], object]) -> RequestRecord | None:
         found = self._find(request_id)
         if isinstance(found, Tombstone) or not self._table.add_waker(found, wake):
             return None
@@ -372,16 +372,16 @@ class Scheduler:
                 self._check_driver()
         return self._state_of(request_id, req)
 
-    def _state_of(self, request_id: str, req: Request | None) -> TransferState:
+    def _state_of(self, request_id: str, req: RequestRecord | None) -> TransferState:
         if req is not None:
             return req.lc.state
         found = self._find(request_id)
-        return found.lc.state if isinstance(found, Request) else found.state
+        return found.lc.state if isinstance(found, RequestRecord) else found.state
 
     def abort(self, request_id: str) -> bool:
         """Fail the request with ABORTED. False if it was already terminal."""
         found = self._find(request_id)
-        return isinstance(found, Request) and found.lc.fail(FailureReason.ABORTED)
+        return isinstance(found, RequestRecord) and found.lc.fail(FailureReason.ABORTED)
 
     # -- observation -----------------------------------------------------------
 

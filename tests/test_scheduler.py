@@ -37,7 +37,7 @@ from scheduler import (
     quarantined_requests,
 )
 from scheduler._release import run_release
-from scheduler._requests import Request, Tombstone
+from scheduler._requests import RequestRecord, Tombstone
 from transfer import (
     EngineError,
     Fault,
@@ -1031,7 +1031,7 @@ def test_the_release_path_counts_double_and_early_releases(make_rig: MakeRig) ->
     twice = _Stale(done, rig.backend.ops_of("twice"))
     run_release(twice, table, checks)  # type: ignore[arg-type]
     early = table.find("early")
-    assert isinstance(early, Request)
+    assert isinstance(early, RequestRecord)
     early.finished = Finished("early", _S.FAILED, None, None, 1, PEER, 0, 0.0)
     run_release(early, table, checks)
     m = rig.sched.metrics()

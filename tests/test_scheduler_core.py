@@ -70,8 +70,8 @@ from scheduler import _core, _lazyheap
 from scheduler._core import SchedulerCore
 from scheduler._drivers import _contained
 from scheduler._records import Finished, RetryPolicy
-from scheduler._release import Quarantine, run_release
-from scheduler._requests import RECENT, Request, Tombstone
+from scheduler._release import ReleaseQuarantine, run_release
+from scheduler._requests import RECENT, RequestRecord, Tombstone
 from scheduler.errors import DuplicateRequest, SchedulerClosed, UnknownPeer
 from transfer import (
     BackendClosed,
@@ -253,7 +253,7 @@ class M:
     priority: int
     order: int  # acceptance order: FIFO among equal priorities
     script: list[str]
-    req: Request
+    req: RequestRecord
     state: S = S.PENDING
     reason: R | None = None
     phase: str = "queued"  # queued | running | backoff | done (terminal)
@@ -418,7 +418,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.drained = False
         self.in_step = False
         self.hold_releases = False
-        self.held: deque[Request] = deque()
+        self.held: deque[RequestRecord] = deque()
         self.retry_seq = 0
         self.cursor = 0  # backend.submits the model has accounted for
         self.waiters: dict[str, int] = {}  # request#order -> waiters registered
@@ -844,7 +844,7 @@ class CoreMachine(RuleBasedStateMachine):
                 self.check(m.reported == 1, "I4", m.rid, "not reported by its deadline")
         self.check_sizes()
 
-    def run_release(self, r: Request) -> None:
+    def run_release(self, r: RequestRecord) -> None:
         run_release(r, self.core.table, self.core.checks)
         m = self.by_id[r.request_id]
         m.forgotten = True
@@ -1012,7 +1012,7 @@ def _bug_exit_without_terminal(mp: pytest.MonkeyPatch) -> None:
     """A worker exit path (a non-retryable error) returns without failing."""
     original = SchedulerCore._conclude
 
-    def buggy(self: SchedulerCore, req: Request, op: TransferOp) -> bool:
+    def buggy(self: SchedulerCore, req: RequestRecord, op: TransferOp) -> bool:
         err = op.error
         if err is not None and not err.retryable and err.reason is not R.PEER_LOST:
             return False
@@ -1023,14 +1023,14 @@ def _bug_exit_without_terminal(mp: pytest.MonkeyPatch) -> None:
 
 def _bug_release_before_quiesce(mp: pytest.MonkeyPatch) -> None:
     """A terminal request is handed out while an op may still touch its blocks."""
-    mp.setattr(Quarantine, "ready", staticmethod(lambda req: True))
+    mp.setattr(ReleaseQuarantine, "ready", staticmethod(lambda req: True))
 
 
 def _bug_deadline_ignores_pending(mp: pytest.MonkeyPatch) -> None:
     """A request still PENDING (queued, or backing off) outlives its deadline."""
     original = SchedulerCore._expire
 
-    def buggy(self: SchedulerCore, req: Request) -> None:
+    def buggy(self: SchedulerCore, req: RequestRecord) -> None:
         if req.lc.state is S.PENDING:
             return
         original(self, req)
@@ -1173,7 +1173,7 @@ class Core:
         priority: int = 0,
         deadline_s: float = 10.0,
         peer: str = "p0",
-    ) -> Request:
+    ) -> RequestRecord:
         plan = TransferPlan(peer, (Batch((0x10,), (0x1000,), (8,)),), 8, 1)
         req = self.core.new_request(rid, plan, self.now, deadline_s, priority, None)
         self.backend.owner[id(plan)] = rid
