@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up a fresh Debian machine for kvguard: the system library the engine
-# links, then a project virtual environment (.venv) with the CPU torch build
-# and kvguard with its dev extra. Idempotent; safe to re-run.
+# Set up a fresh Debian machine for kvguard: the system packages the engine
+# and the tests need, then a project virtual environment (.venv) with the CPU
+# torch build and kvguard with its dev extra. Idempotent; safe to re-run.
+# (scripts/test.sh builds the second environment, .venv-vllm, itself.)
 #
 # Everything goes into .venv, never into the interpreter first on PATH: a
 # stock Debian python refuses `pip install` (PEP 668), and a machine's own
@@ -18,6 +19,8 @@ ldconfig -p | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
 command -v ip >/dev/null || need+=(iproute2)
 # etcd: the metadata service of most Mooncake deployments, started by its tests.
 command -v etcd >/dev/null || need+=(etcd-server)
+# Graphviz: `kvguard diagram` renders through `dot`, and its tests must not skip.
+command -v dot >/dev/null || need+=(graphviz)
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get update -qq

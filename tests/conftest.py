@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles and structlog capture."""
+"""Shared test configuration: hypothesis profiles, structlog capture, the skip policy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from collections.abc import Iterator
 import pytest
 import structlog
 from hypothesis import HealthCheck, Phase, settings
+
+# --strict-skips (scripts/test.sh): a skip not on tests/skip_policy.py's list fails the run.
+from skip_policy import pytest_addoption, pytest_configure  # noqa: F401 -- pytest hooks
 
 # CI: reproducible (derandomized), no per-example deadline (a loaded 2-core
 # machine makes timings meaningless), no example database on a fresh clone.

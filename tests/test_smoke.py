@@ -28,6 +28,6 @@ def test_readme_commands_match_ci() -> None:
     readme = (root / "README.md").read_text()
     block = readme.split("```sh\n", 1)[1].split("```", 1)[0].strip().splitlines()
     assert block[0] == "bash scripts/bootstrap.sh && .venv/bin/kvguard run"
-    assert block[1] == "bash scripts/bootstrap.sh && .venv/bin/python -m pytest -q"
+    assert block[1] == "bash scripts/bootstrap.sh && bash scripts/test.sh"
     ci_lines = [ln for ln in (root / ".ci/run").read_text().splitlines() if ln.strip()]
     assert ci_lines[-1] == block[1]
