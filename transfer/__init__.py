@@ -7,115 +7,77 @@ and fault injection. Imports ``lifecycle`` only.
 
 from typing import TYPE_CHECKING
 
-from lifecycle._lazy import lazy_getattr
+from lifecycle._lazy import lazy_exports
 
-# Imported on first use (PEP 562): torch and the engine load only when a
-# name that needs them is used, so torch-free submodules (errors, metadata,
-# service_args) and the commands that move no KV stay fast. Name -> module.
-_LAZY = {
-    "Batch": ".backend",
-    "PeerInfo": ".backend",
-    "TransferBackend": ".backend",
-    "TransferOp": ".backend",
-    "TransferPlan": ".backend",
-    "KVCache": ".cache",
-    "BackendClosed": ".errors",
-    "Backpressure": ".errors",
-    "EngineError": ".errors",
-    "InvalidPlan": ".errors",
-    "PeerLost": ".errors",
-    "PeerProtocolError": ".errors",
-    "PeerUnreachable": ".errors",
-    "RegistrationError": ".errors",
-    "RemoteRangeRejected": ".errors",
-    "TransferCancelled": ".errors",
-    "TransferError": ".errors",
-    "TransferTimeout": ".errors",
-    "DEFAULT_FAULT_KINDS": ".faults",
-    "Fault": ".faults",
-    "FaultInjectingBackend": ".faults",
-    "FaultKind": ".faults",
-    "FaultPlan": ".faults",
-    "KVLayout": ".layout",
-    "LocalBackend": ".local",
-    "MooncakeBackend": ".mooncake",
-    "block_digests": ".peer_protocol",
-    "peer_info_from_message": ".peer_protocol",
-    "peer_info_to_message": ".peer_protocol",
-    "DEFAULT_MAX_BATCH_ENTRIES": ".plan",
-    "MAX_BATCH_ENTRIES_LIMIT": ".plan",
-    "build_plan": ".plan",
-    "plan_entries_naive": ".plan",
-    "Region": ".regions",
+# The public names, once: module -> what it defines. Imported on first use
+# (PEP 562): torch and the engine load only when a name that needs them is
+# used, so torch-free submodules (errors, metadata, service_args) and the
+# commands that move no KV stay fast.
+_EXPORTS = {
+    ".backend": ("Batch", "PeerInfo", "TransferBackend", "TransferOp", "TransferPlan"),
+    ".cache": ("KVCache",),
+    ".errors": (
+        "BackendClosed",
+        "Backpressure",
+        "EngineError",
+        "InvalidPlan",
+        "PeerLost",
+        "PeerProtocolError",
+        "PeerUnreachable",
+        "RegistrationError",
+        "RemoteRangeRejected",
+        "TransferCancelled",
+        "TransferError",
+        "TransferTimeout",
+    ),
+    ".faults": ("DEFAULT_FAULT_KINDS", "Fault", "FaultInjectingBackend", "FaultKind", "FaultPlan"),
+    ".layout": ("KVLayout",),
+    ".local": ("LocalBackend",),
+    ".mooncake": ("MooncakeBackend",),
+    ".peer_protocol": ("block_digests", "peer_info_from_message", "peer_info_to_message"),
+    ".plan": (
+        "DEFAULT_MAX_BATCH_ENTRIES",
+        "MAX_BATCH_ENTRIES_LIMIT",
+        "build_plan",
+        "plan_entries_naive",
+    ),
+    ".regions": ("Region",),
 }
 
-if TYPE_CHECKING:
-    from .backend import Batch, PeerInfo, TransferBackend, TransferOp, TransferPlan
-    from .cache import KVCache
-    from .errors import (
-        BackendClosed,
-        Backpressure,
-        EngineError,
-        InvalidPlan,
-        PeerLost,
-        PeerProtocolError,
-        PeerUnreachable,
-        RegistrationError,
-        RemoteRangeRejected,
-        TransferCancelled,
-        TransferError,
-        TransferTimeout,
-    )
-    from .faults import DEFAULT_FAULT_KINDS, Fault, FaultInjectingBackend, FaultKind, FaultPlan
-    from .layout import KVLayout
-    from .local import LocalBackend
-    from .mooncake import MooncakeBackend
-    from .peer_protocol import block_digests, peer_info_from_message, peer_info_to_message
-    from .plan import (
-        DEFAULT_MAX_BATCH_ENTRIES,
-        MAX_BATCH_ENTRIES_LIMIT,
-        build_plan,
-        plan_entries_naive,
-    )
-    from .regions import Region
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
-
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
-
-
-__all__ = [
-    "DEFAULT_FAULT_KINDS",
-    "DEFAULT_MAX_BATCH_ENTRIES",
-    "MAX_BATCH_ENTRIES_LIMIT",
-    "BackendClosed",
-    "Backpressure",
-    "Batch",
-    "EngineError",
-    "Fault",
-    "FaultInjectingBackend",
-    "FaultKind",
-    "FaultPlan",
-    "InvalidPlan",
-    "KVCache",
-    "KVLayout",
-    "LocalBackend",
-    "MooncakeBackend",
-    "PeerInfo",
-    "PeerLost",
-    "PeerProtocolError",
-    "PeerUnreachable",
-    "Region",
-    "RegistrationError",
-    "RemoteRangeRejected",
-    "TransferBackend",
-    "TransferCancelled",
-    "TransferError",
-    "TransferOp",
-    "TransferPlan",
-    "TransferTimeout",
-    "block_digests",
-    "build_plan",
-    "peer_info_from_message",
-    "peer_info_to_message",
-    "plan_entries_naive",
-]
+if TYPE_CHECKING:  # the same names, for type checkers (tests/test_lazy.py: they agree)
+    from .backend import Batch as Batch
+    from .backend import PeerInfo as PeerInfo
+    from .backend import TransferBackend as TransferBackend
+    from .backend import TransferOp as TransferOp
+    from .backend import TransferPlan as TransferPlan
+    from .cache import KVCache as KVCache
+    from .errors import BackendClosed as BackendClosed
+    from .errors import Backpressure as Backpressure
+    from .errors import EngineError as EngineError
+    from .errors import InvalidPlan as InvalidPlan
+    from .errors import PeerLost as PeerLost
+    from .errors import PeerProtocolError as PeerProtocolError
+    from .errors import PeerUnreachable as PeerUnreachable
+    from .errors import RegistrationError as RegistrationError
+    from .errors import RemoteRangeRejected as RemoteRangeRejected
+    from .errors import TransferCancelled as TransferCancelled
+    from .errors import TransferError as TransferError
+    from .errors import TransferTimeout as TransferTimeout
+    from .faults import DEFAULT_FAULT_KINDS as DEFAULT_FAULT_KINDS
+    from .faults import Fault as Fault
+    from .faults import FaultInjectingBackend as FaultInjectingBackend
+    from .faults import FaultKind as FaultKind
+    from .faults import FaultPlan as FaultPlan
+    from .layout import KVLayout as KVLayout
+    from .local import LocalBackend as LocalBackend
+    from .mooncake import MooncakeBackend as MooncakeBackend
+    from .peer_protocol import block_digests as block_digests
+    from .peer_protocol import peer_info_from_message as peer_info_from_message
+    from .peer_protocol import peer_info_to_message as peer_info_to_message
+    from .plan import DEFAULT_MAX_BATCH_ENTRIES as DEFAULT_MAX_BATCH_ENTRIES
+    from .plan import MAX_BATCH_ENTRIES_LIMIT as MAX_BATCH_ENTRIES_LIMIT
+    from .plan import build_plan as build_plan
+    from .plan import plan_entries_naive as plan_entries_naive
+    from .regions import Region as Region
