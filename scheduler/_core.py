@@ -1,8 +1,11 @@
-"""The scheduler core: sans-I/O, single owner of request progress.
+"""The scheduler core: single owner of request progress, driven by ``step(now)``.
 
-In the spirit of h11, the core never reads a clock, never sleeps, never
-starts a thread and never runs user code. Time is given to ``step(now)``;
-everything that happened since the last step waits in the inbox. One step:
+Sans-I/O in h11's sense for its decisions: the core's time is the ``now``
+given to ``step``, it never sleeps or waits on anything but a short lock,
+never starts a thread and never runs a user callback (release callbacks,
+observers and done-callbacks are deferred to the callback thread; probes
+run on the prober thread). Everything that happened since the last step
+waits in the inbox. One step:
 
 1. applies the inbox, in arrival order: new requests, terminal transitions
    made elsewhere (abort, peer removal, close), op results, quiescence and
@@ -16,6 +19,30 @@ everything that happened since the last step waits in the inbox. One step:
 and repeats 1-5 until the inbox is empty. It returns what became terminal,
 what may be released, which peers to probe, and when it next needs a step.
 Drivers (``_drivers.py``) and ``Scheduler`` do the rest: run callbacks, probes.
+
+A step does make these calls, none of which blocks, and each for a reason:
+
+* ``backend.submit(plan)``, when an attempt starts. ``TransferBackend``
+  promises that submit never blocks on the network and reports failures
+  through the op (Mooncake checks the plan and posts it to its engine
+  loop; the local backend hands it to its pool). Submitting in the step
+  means the op exists in the step that counted the attempt, so the same
+  step's deadline or abort can cancel it, at no cost per request; handing
+  plans back to the driver instead would add a hop per attempt and leave a
+  RUNNING request with no op between two steps.
+* ``op.add_done_callback``, ``op.add_quiesce_callback`` and ``op.cancel()``:
+  the op's lock, or a flag. A callback on an op that already has its
+  result runs at once, and it only posts to the inbox.
+* The lifecycle's transitions (start, complete, fail, retry). Each hands
+  one record to the journal, and where it goes -- nowhere, a structlog
+  sink of the application's, or a ``JsonlJournal``'s flushed line -- is
+  the application's choice; a failing sink is contained by the journal.
+  The record carries the lifecycle's own ``time.monotonic()`` stamp,
+  which no decision of the core reads.
+* The core's own structlog events, one per peer change and none per
+  request: ``peer_lost`` and ``peer_alive``. A crashed worker's traceback
+  is rendered on the callback thread, not in the step.
+* ``defer(fn)`` (the callback runner's queue) and the driver's ``wake()``.
 
 Who may end a request (I2): the core (complete, a typed failure, TIMEOUT,
 PEER_LOST, the guard), and any thread through the request's lifecycle
