@@ -11,10 +11,11 @@ waits in the inbox. One step:
    made elsewhere (abort, peer removal, close), op results, quiescence and
    probe results;
 2. fires due deadlines: a request not terminal at the first step at or after
-   its deadline becomes FAILED(TIMEOUT) in that step (I4);
+   its deadline becomes FAILED(TIMEOUT) in that step;
 3. starts the retries whose backoff ended;
 4. admits queued requests, highest priority first, under ``max_in_flight``;
-5. hands out the terminal requests whose ops have all quiesced (I6);
+5. hands out the terminal requests whose ops have all quiesced (no engine
+   call can touch their blocks any more: only now may they be released);
 
 and repeats 1-5 until the inbox is empty. It returns what became terminal,
 what may be released, which peers to probe, and when it next needs a step.
@@ -44,7 +45,7 @@ A step does make these calls, none of which blocks, and each for a reason:
   is rendered on the callback thread, not in the step.
 * ``defer(fn)`` (the callback runner's queue) and the driver's ``wake()``.
 
-Who may end a request (I2): the core (complete, a typed failure, TIMEOUT,
+Who may end a request, exactly once: the core (complete, a typed failure, TIMEOUT,
 PEER_LOST, the guard), and any thread through the request's lifecycle
 (abort, peer removal, close). The lifecycle's lock makes the first one win;
 its done-hook posts to the inbox, so the core learns of every ending.
@@ -53,7 +54,8 @@ The guard: each request advances through ``_work`` -- its worker body --
 one step at a time, always inside ``_advance``. A body that raises ends its
 request with ``exit_reason`` (WORKER_CRASHED for an ordinary exception); a
 body that returns without waiting on something (an op, a backoff) and
-without a terminal transition ends it with WORKER_EXITED (I3).
+without a terminal transition ends it with WORKER_EXITED: no way out of a
+worker leaves its request live.
 """
 
 from __future__ import annotations
@@ -315,7 +317,7 @@ class SchedulerCore:
     # -- one request's worker, guarded (step only) -------------------------------------
 
     def _advance(self, req: RequestRecord) -> None:
-        """Run the request's worker body once, inside the guard (I3)."""
+        """Run the request's worker body once, inside the guard: every exit ends it or waits."""
         lc = req.lc
         try:
             waiting = self._work(req)
@@ -428,7 +430,7 @@ class SchedulerCore:
         return self._quarantine.held()
 
     def sizes(self) -> dict[str, int]:
-        """Sizes of every container the core keeps (I8: bounded by live requests)."""
+        """Sizes of every container the core keeps: bounded by live requests, not traffic."""
         with self._lock:
             return {
                 "table": len(self.table),

@@ -79,8 +79,8 @@ class MetricsSnapshot:
     quarantined: int  # terminal, but a backend op may still touch the blocks
     oldest_live_age_s: float
     released: int
-    released_before_quiesce: int  # must stay 0 (I6)
-    double_releases: int  # must stay 0 (I6)
+    released_before_quiesce: int  # must stay 0: blocks are released only after quiesce
+    double_releases: int  # must stay 0: a request is released exactly once
     peers_lost: int
     bytes_done: int
     quarantined_bytes: int = 0  # bytes of the quarantined requests' plans

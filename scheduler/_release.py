@@ -1,13 +1,14 @@
-"""Release after quiesce (I6): quarantine in the core, the callback outside it.
+"""Release after quiesce: quarantine in the core, the callback outside it.
 
 A terminal request's blocks may still be read or written by an engine call
 that has not returned (a timed-out transfer is not a cancelled one). The
-core keeps such a request in ``ReleaseQuarantine`` until every op submitted for it
-has quiesced, then hands it out exactly once. ``run_release`` runs the
-user's release callback on the callback thread, re-checking both halves of
-I6 on its own evidence (the ops' own quiesced flags, the table's record of
-who is being released): a violation is counted in the metrics, and a second
-release is never performed.
+core keeps such a request in ``ReleaseQuarantine`` until every op submitted
+for it has quiesced, then hands it out exactly once. ``run_release`` runs
+the user's release callback on the callback thread, re-checking both halves
+of that rule (only after quiesce, exactly once) on its own evidence (the
+ops' own quiesced flags, the table's record of who is being released): a
+violation is counted in the metrics, and a second release is never
+performed.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ReleaseQuarantine:
 
 
 class ReleaseChecks:
-    """The I6 detectors' counters, and who is being released right now.
+    """The release checks' counters, and who is being released right now.
 
     Used under the request table's lock (``run_release``, ``RequestTable.forget``).
     """

@@ -105,17 +105,17 @@ class RequestRecord:
     )
 
     request_id: str
-    lc: ScheduledLifecycle  # the terminal transition happens once, under its lock (I2)
+    lc: ScheduledLifecycle  # one terminal transition, under its lock: the first ending wins
     plan: TransferPlan  # validated against the peer's advertisement at admission
     peer: str
-    deadline: float  # absolute, core clock: terminal at the first step at or after it (I4)
+    deadline: float  # absolute, core clock: terminal at the first step at or after it
     submitted: float  # core clock
     priority: int  # higher first; FIFO among equals
     release: ReleaseCallback | None
     phase: Phase  # (core) changed by _phase.move only, along its EDGES
     op: TransferOp | None  # (core) the op of the current attempt, until its result is read
     ops: list[TransferOp]  # (core) every op submitted for it; at most max_attempts
-    unquiesced: int  # (core) ops not yet quiesced; released only at 0 (I6)
+    unquiesced: int  # (core) ops not yet quiesced; its blocks are released only at 0
     finished: Finished | None  # (core) set once, when the core sees it terminal
     reported: bool  # (table lock) the core has seen it terminal; waiters return
     wakers: list[Callable[[], object]] | None  # (table lock) called once when reported

@@ -252,7 +252,7 @@ def _parse(line_no: int, text: str) -> JournalRecord:
             raise ValueError(f"{key}: {exc}") from None
     rec = JournalRecord(line=line_no, ignored=obj.get("ignored", False) is True, **fields)
     if rec.ignored:
-        # I1: only a terminal request ignores events, and nothing moves.
+        # Terminal states absorb: only a terminal request ignores events, and it stays put.
         if rec.source not in TERMINAL or rec.dest is not rec.source:
             raise ValueError(
                 f"an ignored {rec.event.value!r} must stay in a terminal state, "

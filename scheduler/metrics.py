@@ -7,8 +7,8 @@
 Counters and gauges are read from ``Scheduler.metrics()`` at scrape time,
 so they are exact whenever the collector was registered. The latency
 histogram is fed by ``Scheduler.add_observer`` and only sees requests that
-end after registration. A stuck request is never invisible (DESIGN.md,
-failure catalogue 7): it stays in ``kvguard_live_requests`` and ages
+end after registration. A stuck request is never invisible, counted in
+no metric: it stays in ``kvguard_live_requests`` and ages
 ``kvguard_oldest_live_request_seconds`` until its deadline fails it.
 """
 

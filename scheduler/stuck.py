@@ -1,6 +1,6 @@
 """Stuck-request inspector: which live requests are older than they should be.
 
-Deadlines bound every request (I4), so "stuck" here means "live for longer
+Deadlines bound every request, so "stuck" here means "live for longer
 than an operator expects", well before the deadline fails it: a frozen
 peer, a hung engine call, a starved worker pool. A terminal request whose
 blocks an engine call may still touch stays *quarantined* (not released)
