@@ -7,6 +7,11 @@ buffers -- the outcome is either a valid value or a typed rejection
 Nothing crashes, the receiver keeps serving, and an accepted plan writes
 exactly the requested destination blocks: not one byte elsewhere. The
 channel itself (frames, ids, deadlines) is tested in test_control_channel.py.
+
+Each fuzz test draws valid inputs as well as broken ones, checks an accepted
+valid input against what it must parse to, and counts its outcomes
+(``Outcomes``): a run in which some outcome -- accepted or rejected -- did not
+occur in a real share of the examples fails, so no assert goes unreached.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import assume, event, example, given, settings
 from hypothesis import strategies as st
 from mooncake_helpers import receiver, requires_mooncake, wait_until
 from structlog.testing import capture_logs
@@ -44,8 +50,10 @@ from transfer.peer_protocol import (
     MAX_PEER_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SESSION_ID_LEN,
+    REPLY_OF,
     ChecksumRequest,
     ErrorReply,
+    block_digest_bytes,
     decode_reply,
     parse_request,
     peer_info_from_message,
@@ -83,6 +91,71 @@ def pack(obj: object) -> bytes:
     return msgspec.msgpack.encode(obj)
 
 
+class Outcomes:
+    """What each example of a fuzz test came to; ``require`` fails the test
+    unless each outcome it names occurred in at least ``share`` of them.
+
+    The strategies aim at a third to a half of each; hypothesis's draws are
+    not independent, and over 30 random runs of 50 examples the rarest
+    outcome of a test fell to 6-10%: 3% keeps a random run from failing on
+    chance while still failing a strategy that stopped producing an outcome.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.seen: Counter[str] = Counter()
+
+    def __call__(self, name: str) -> None:
+        assert name in self.names, name
+        event(name)
+        self.seen[name] += 1
+
+    def require(self, share: float = 0.03) -> None:
+        total = sum(self.seen.values())
+        low = {n: self.seen[n] for n in self.names if self.seen[n] < share * total}
+        assert total and not low, f"outcomes {dict(self.seen)} of {total} examples: too few {low}"
+
+
+SESSION_IDS = st.one_of(
+    st.just(SID),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40),
+)
+
+
+@st.composite
+def valid_peers(draw: st.DrawFn, layout: KVLayout | None = None) -> PeerInfo:
+    """A PeerInfo the wire format must accept: any layout (or ``layout``),
+    buffers in any address order with gaps, covered by one region, one region
+    each, or those and decoys, anywhere below 2**63."""
+    if layout is None:
+        layout = KVLayout(
+            draw(st.integers(1, 3)),
+            draw(st.integers(1, 16)),
+            draw(st.sampled_from([8, 32, 4096])),
+            draw(st.booleans()),
+        )
+    size = layout.buffer_bytes
+    offsets, at = [], 0
+    for _ in range(layout.num_buffers):
+        offsets.append(at)
+        at += size + draw(st.sampled_from([0, 1, 64, 4096]))
+    decoys = draw(st.integers(0, 3))
+    span = at + decoys * 8192
+    start = draw(st.one_of(st.integers(1, 1 << 44), st.just(MAX_ADDR - span)))
+    bases = [start + o for o in offsets]
+    if draw(st.booleans()):
+        regions = [Region(start, offsets[-1] + size)]
+    else:
+        regions = [Region(b, size) for b in bases]
+    regions += [Region(start + at + k * 8192, 16) for k in range(decoys)]
+    return PeerInfo(
+        draw(SESSION_IDS),
+        tuple(draw(st.permutations(regions))),
+        layout,
+        block_base=tuple(draw(st.permutations(bases))),
+    )
+
+
 def _message_of(cache: KVCache) -> dict[str, Any]:
     return dict(msgspec.msgpack.decode(peer_info_to_message(cache.peer_info(SID))))
 
@@ -115,11 +188,15 @@ def _check_accepted(info: PeerInfo) -> None:
 @example(b"\xdd\xff\xff\xff\xff")  # a 4-billion-item list header, no items
 @example(b"x" * (MAX_PEER_MESSAGE_BYTES + 1))
 def test_random_bytes_are_rejected_typed(raw: Any) -> None:
-    try:
-        info = peer_info_from_message(raw)
-    except PeerProtocolError:
-        return
-    _check_accepted(info)  # pragma: no cover -- random bytes are never a valid message
+    with pytest.raises(PeerProtocolError):  # random bytes are never a valid message
+        peer_info_from_message(raw)
+
+
+@given(valid_peers())
+def test_every_valid_peer_message_parses_to_exactly_what_was_sent(info: PeerInfo) -> None:
+    got = peer_info_from_message(peer_info_to_message(info))
+    assert got == info
+    _check_accepted(got)
 
 
 _PATHS = [
@@ -152,7 +229,7 @@ def _set(msg: dict[str, Any], path: tuple[Any, ...], value: object) -> None:
 @st.composite
 def corrupted_messages(draw: st.DrawFn) -> bytes:
     """A valid peer message with one to three fields replaced, dropped or added."""
-    msg = _message_of(KVCache(LAYOUT))
+    msg = dict(msgspec.msgpack.decode(peer_info_to_message(draw(valid_peers(LAYOUT)))))
     for _ in range(draw(st.integers(1, 3))):
         action = draw(st.sampled_from(["replace", "drop", "add", "shift", "copy"]))
         path = draw(st.sampled_from(_PATHS))
@@ -183,14 +260,32 @@ def corrupted_messages(draw: st.DrawFn) -> bytes:
         raise
 
 
-@given(corrupted_messages())
-def test_corrupted_peer_messages_are_rejected_typed_or_valid(raw: bytes) -> None:
-    try:
-        info = peer_info_from_message(raw)
-    except PeerProtocolError as exc:
-        assert str(exc)  # names what is wrong
-        return
-    _check_accepted(info)
+# A peer message as it arrives: valid (with what it must parse to) or corrupted.
+PEER_MESSAGES = st.one_of(
+    valid_peers(LAYOUT).map(lambda info: (peer_info_to_message(info), info)),
+    corrupted_messages().map(lambda raw: (raw, None)),
+)
+
+
+def test_corrupted_peer_messages_are_rejected_typed_or_valid() -> None:
+    outcomes = Outcomes("accepted", "rejected")
+
+    @given(PEER_MESSAGES)
+    def run(arrival: tuple[bytes, PeerInfo | None]) -> None:
+        raw, sent = arrival
+        try:
+            info = peer_info_from_message(raw)
+        except PeerProtocolError as exc:
+            assert sent is None, f"a valid message was refused: {exc}"
+            assert str(exc)  # names what is wrong
+            outcomes("rejected")
+            return
+        assert sent is None or info == sent
+        _check_accepted(info)
+        outcomes("accepted")
+
+    run()
+    outcomes.require()
 
 
 def _spread(n: int, size: int) -> list[int]:
@@ -333,15 +428,42 @@ def request_frames(draw: st.DrawFn) -> bytes:
     return pack(msg)
 
 
-@given(request_frames())
-def test_requests_parse_or_are_rejected_typed(frame: bytes) -> None:
-    try:
-        req = parse_request(frame, num_blocks=LAYOUT.num_blocks)
-    except PeerProtocolError:
-        return
-    assert req.__struct_config__.tag in REQUESTS
-    if isinstance(req, ChecksumRequest):
-        assert all(type(b) is int and 0 <= b < LAYOUT.num_blocks for b in req.blocks)
+VALID_REQUESTS = st.one_of(
+    st.sampled_from([{"cmd": "peer"}, {"cmd": "zero"}, {"cmd": "ping"}]),
+    st.lists(st.integers(0, LAYOUT.num_blocks - 1), max_size=8).map(
+        lambda blocks: {"cmd": "checksum", "blocks": blocks}
+    ),
+)
+# A request frame as it arrives: valid (with the request it is) or anything.
+FRAMES = st.one_of(
+    VALID_REQUESTS.map(lambda req: (pack(req), req)),
+    request_frames().map(lambda frame: (frame, None)),
+)
+
+
+def test_requests_parse_or_are_rejected_typed() -> None:
+    outcomes = Outcomes("accepted", "rejected")
+
+    @given(FRAMES)
+    def run(arrival: tuple[bytes, dict[str, Any] | None]) -> None:
+        frame, sent = arrival
+        try:
+            req = parse_request(frame, num_blocks=LAYOUT.num_blocks)
+        except PeerProtocolError as exc:
+            assert sent is None, f"a valid request was refused: {exc}"
+            outcomes("rejected")
+            return
+        tag = req.__struct_config__.tag
+        assert tag in REQUESTS
+        if isinstance(req, ChecksumRequest):
+            assert all(type(b) is int and 0 <= b < LAYOUT.num_blocks for b in req.blocks)
+        if sent is not None:
+            assert tag == sent["cmd"]
+            assert list(getattr(req, "blocks", [])) == sent.get("blocks", [])
+        outcomes("accepted")
+
+    run()
+    outcomes.require()
 
 
 @pytest.mark.parametrize(
@@ -376,31 +498,33 @@ def _bare_receiver(layout: KVLayout = LAYOUT) -> Any:
     return rx
 
 
-@pytest.fixture(scope="module")
-def bare_receiver() -> Any:
-    return _bare_receiver()
+def test_receiver_handle_never_crashes_and_touches_nothing() -> None:
+    rx = _bare_receiver()
+    outcomes = Outcomes("answered", "refused")
 
+    @given(FRAMES)
+    def run(arrival: tuple[bytes, dict[str, Any] | None]) -> None:
+        frame, sent = arrival
+        rx.cache.fill_seeded(5)
+        before = [t.clone() for t in rx.cache.tensors]
+        reply = decode_reply(rx.handle(frame))  # always a schema-valid reply
+        if isinstance(reply, ErrorReply):
+            assert sent is None, f"a valid request was refused: {reply}"
+            assert reply.error == "PeerProtocolError", reply  # typed, never a stray exception
+            outcomes("refused")
+        else:
+            req = msgspec.msgpack.decode(frame)  # accepted, so it is a request
+            tag = reply.__struct_config__.tag
+            assert tag == req["cmd"]  # a reply carries its request's tag
+            if tag == "checksum":
+                assert reply.digests == block_digest_bytes(rx.cache, req["blocks"])
+            outcomes("answered")
+        zeroed = not isinstance(reply, ErrorReply) and reply.__struct_config__.tag == "zero"
+        for old, new in zip(before, rx.cache.tensors, strict=True):
+            assert torch.equal(new, torch.zeros_like(new) if zeroed else old)
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frame=request_frames())
-def test_receiver_handle_never_crashes_and_touches_nothing(
-    bare_receiver: Any, frame: bytes
-) -> None:
-    rx = bare_receiver
-    rx.cache.fill_seeded(5)
-    before = [t.clone() for t in rx.cache.tensors]
-    reply = decode_reply(rx.handle(frame))  # always a schema-valid reply
-    if isinstance(reply, ErrorReply):
-        assert reply.error == "PeerProtocolError", reply  # typed, never a stray exception
-        return
-    req = msgspec.msgpack.decode(frame)  # accepted, so it is a request
-    tag = reply.__struct_config__.tag
-    assert tag == req["cmd"]  # a reply carries its request's tag
-    zeroed = tag == "zero"
-    for old, new in zip(before, rx.cache.tensors, strict=True):
-        assert torch.equal(new, torch.zeros_like(new) if zeroed else old)
-    if tag == "checksum":
-        assert len(reply.digests) == DIGEST_SIZE * len(req["blocks"])
+    run()
+    outcomes.require()
 
 
 # -- plans against hostile peers ----------------------------------------------------------
@@ -419,13 +543,16 @@ def local() -> Iterator[tuple[LocalBackend, KVCache, KVCache]]:
 
 
 @st.composite
-def hostile_peers(draw: st.DrawFn, dst: KVCache) -> PeerInfo:
-    """The destination's real PeerInfo with its regions and bases tampered with."""
+def hostile_peers(draw: st.DrawFn, dst: KVCache, how: str | None = None) -> PeerInfo:
+    """The destination's real PeerInfo with its regions and bases tampered with
+    (``how``, or drawn); "honest" and "lie" leave the bases alone otherwise."""
     real = dst.peer_info(SID)
     size = LAYOUT.buffer_bytes
     blk = LAYOUT.block_bytes
     regions = list(real.regions)
-    how = draw(st.sampled_from(["honest", "shrink", "split", "drop", "garbage"]))
+    tamper = how is None
+    if how is None:
+        how = draw(st.sampled_from(["honest", "lie", "shrink", "split", "drop", "garbage"]))
     if how == "shrink":  # advertise less than was registered
         i = draw(st.integers(0, len(regions) - 1))
         lo = draw(st.integers(0, 4)) * blk
@@ -442,7 +569,11 @@ def hostile_peers(draw: st.DrawFn, dst: KVCache) -> PeerInfo:
     elif how == "garbage":
         regions.append(Region(draw(EDGE_INTS), draw(EDGE_INTS)))
     bases: list[Any] = list(real.block_base)  # a float among them is part of the attack
-    if draw(st.booleans()):
+    if how == "lie":  # advertise memory it does not have, and a buffer in it
+        i = draw(st.integers(0, len(bases) - 1))
+        bases[i] = max(real.block_base) + 16 * size
+        regions.append(Region(bases[i], size))
+    elif tamper and draw(st.booleans()):
         i = draw(st.integers(0, len(bases) - 1))
         bases[i] = draw(
             st.one_of(
@@ -457,15 +588,36 @@ def hostile_peers(draw: st.DrawFn, dst: KVCache) -> PeerInfo:
 BLOCK_IDS = st.one_of(st.integers(-2, LAYOUT.num_blocks + 1), EDGE_INTS, st.booleans(), st.floats())
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
+# Mostly a real batch limit; the rest are what must be refused.
+LIMITS = st.one_of(st.integers(1, 4), st.integers(-1, 3), EDGE_INTS, st.just(True))
+
+
 def test_plans_against_hostile_peers_write_only_requested_blocks(
-    local: tuple[LocalBackend, KVCache, KVCache], data: st.DataObject
+    local: tuple[LocalBackend, KVCache, KVCache],
+) -> None:
+    outcomes = Outcomes("refused by the plan", "refused by the backend", "written")
+
+    @settings(max_examples=2 * settings.default.max_examples)
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        _plan_against_a_hostile_peer(local, data, outcomes)
+
+    run()
+    outcomes.require()
+
+
+def _plan_against_a_hostile_peer(
+    local: tuple[LocalBackend, KVCache, KVCache], data: st.DataObject, outcomes: Outcomes
 ) -> None:
     backend, src, dst = local
-    peer = data.draw(hostile_peers(dst), label="peer")
-    n = data.draw(st.integers(0, LAYOUT.num_blocks + 1), label="n")
-    if data.draw(st.booleans(), label="well-formed ids"):
+    # "honest": a true peer and a good request, which must be written; "lie":
+    # the peer advertises a buffer it does not have, which the backend must
+    # refuse; "hostile": anything, refused typed or written exactly.
+    kind = data.draw(st.sampled_from(["honest", "lie", "hostile", "hostile"]), label="kind")
+    peer = data.draw(hostile_peers(dst, None if kind == "hostile" else kind), label="peer")
+    low = 0 if kind == "hostile" else 1
+    n = data.draw(st.integers(low, LAYOUT.num_blocks + low), label="n")
+    if kind != "hostile" or data.draw(st.booleans(), label="well-formed ids"):
         dst_blocks: list[Any] = data.draw(st.permutations(range(LAYOUT.num_blocks)))[:n]
         src_blocks: list[Any] = data.draw(
             st.lists(
@@ -477,11 +629,13 @@ def test_plans_against_hostile_peers_write_only_requested_blocks(
     else:
         dst_blocks = data.draw(st.lists(BLOCK_IDS, max_size=n))
         src_blocks = data.draw(st.lists(BLOCK_IDS, max_size=n + 1))
-    limit = data.draw(st.one_of(st.integers(-1, 3), EDGE_INTS, st.just(True)), label="limit")
+    limit = data.draw(LIMITS if kind == "hostile" else st.integers(1, 4), label="limit")
     try:
         plan = build_plan(src, peer, src_blocks, dst_blocks, max_batch_entries=limit)
     except InvalidPlan as exc:  # RemoteRangeRejected included
+        assert kind == "hostile", f"a {kind} plan was refused: {exc}"
         assert exc.reason.name == "INVALID_REQUEST"
+        outcomes("refused by the plan")
         return
     # Accepted: every entry is a real, in-region, int64-safe range...
     for batch in plan.batches:
@@ -504,7 +658,10 @@ def test_plans_against_hostile_peers_write_only_requested_blocks(
         # the engine (here the local backend) refuses the write, typed.
         with pytest.raises(RemoteRangeRejected):
             op.result(timeout=10.0)
+        assert kind != "honest"
+        outcomes("refused by the backend")
         return
+    assert kind != "lie", "a write to a buffer the peer does not have went through"
     op.result(timeout=10.0)
     expected = [torch.zeros_like(t) for t in dst.tensors]
     real = dst.buffer_bases()
@@ -517,25 +674,62 @@ def test_plans_against_hostile_peers_write_only_requested_blocks(
             expected[j][off : off + LAYOUT.block_bytes] = src.block(i, s)
     for want, got in zip(expected, dst.tensors, strict=True):
         assert torch.equal(want, got), "a byte outside the requested blocks changed"
+    outcomes("written")
 
 
-@given(corrupted_messages(), st.lists(st.integers(-1, LAYOUT.num_blocks), max_size=6))
-def test_plans_from_parsed_messages_stay_inside_advertised_regions(
-    raw: bytes, dst_blocks: list[int]
-) -> None:
-    try:
-        peer = peer_info_from_message(raw)
-    except PeerProtocolError:
-        return
+GOOD_IDS = st.lists(st.integers(0, LAYOUT.num_blocks - 1), min_size=1, max_size=6, unique=True)
+BAD_IDS = st.one_of(  # one thing wrong: none, a duplicate, one out of range
+    st.just([]),
+    GOOD_IDS.map(lambda b: [*b, b[0]]),
+    GOOD_IDS.map(lambda b: [*b, LAYOUT.num_blocks]),
+    GOOD_IDS.map(lambda b: [-1, *b]),
+)
+# What arrives and is asked for, named by the outcome it must have (any: a
+# corrupted message, which the parser may refuse or accept).
+PLAN_INPUTS = st.one_of(
+    st.tuples(
+        st.just("planned"),
+        valid_peers(LAYOUT).map(lambda i: (peer_info_to_message(i), i)),
+        GOOD_IDS,
+    ),
+    st.tuples(
+        st.just("refused by the plan"),
+        valid_peers(LAYOUT).map(lambda i: (peer_info_to_message(i), i)),
+        BAD_IDS,
+    ),
+    st.tuples(st.just("any"), corrupted_messages().map(lambda raw: (raw, None)), GOOD_IDS),
+)
+
+
+def test_plans_from_parsed_messages_stay_inside_advertised_regions() -> None:
     src = KVCache(LAYOUT)
-    try:
-        plan = build_plan(src, peer, list(range(len(dst_blocks))), dst_blocks)
-    except InvalidPlan:
-        return
-    for batch in plan.batches:
-        for d, length in zip(batch.dst, batch.lengths, strict=True):
-            assert d > 0 and d + length <= INT64
-            assert any(r.contains(d, length) for r in peer.regions)
+    outcomes = Outcomes("planned", "refused by the parser", "refused by the plan")
+
+    @given(PLAN_INPUTS)
+    def run(case: tuple[str, tuple[bytes, PeerInfo | None], list[int]]) -> None:
+        want, (raw, _), dst_blocks = case
+        try:
+            peer = peer_info_from_message(raw)
+        except PeerProtocolError:
+            assert want == "any"
+            outcomes("refused by the parser")
+            return
+        try:
+            plan = build_plan(src, peer, list(range(len(dst_blocks))), dst_blocks)
+        except InvalidPlan as exc:
+            assert want != "planned", f"a good plan was refused: {exc}"
+            outcomes("refused by the plan")
+            return
+        assert want != "refused by the plan", dst_blocks
+        assert plan.num_blocks == len(dst_blocks)
+        for batch in plan.batches:
+            for d, length in zip(batch.dst, batch.lengths, strict=True):
+                assert d > 0 and d + length <= INT64
+                assert any(r.contains(d, length) for r in peer.regions)
+        outcomes("planned")
+
+    run()
+    outcomes.require()
 
 
 # -- a real receiver process -----------------------------------------------------------------
@@ -549,20 +743,34 @@ def live_receiver() -> Iterator[ReceiverProcess]:
 
 @requires_mooncake
 @pytest.mark.mooncake
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frame=request_frames())
 def test_real_receiver_answers_garbage_typed_and_keeps_serving(
-    live_receiver: ReceiverProcess, frame: bytes
+    live_receiver: ReceiverProcess,
 ) -> None:
-    with contextlib.suppress(PeerProtocolError):  # a valid zero would wipe the shared cache
-        assume(parse_request(frame, num_blocks=LAYOUT.num_blocks).__struct_config__.tag != "zero")
-    try:
-        reply = live_receiver.send_raw(frame, timeout=10.0)
-    except PeerProtocolError as exc:
-        assert "decode service error PeerProtocolError" in str(exc)
-    else:
-        assert reply  # a valid request, answered
-    assert live_receiver.request({"cmd": "ping"}, timeout=10.0)["pid"] == live_receiver.pid
+    outcomes = Outcomes("answered", "refused")
+
+    @settings(max_examples=25)
+    @given(FRAMES)
+    def run(arrival: tuple[bytes, dict[str, Any] | None]) -> None:
+        frame, sent = arrival
+        with contextlib.suppress(PeerProtocolError):  # a valid zero would wipe the shared cache
+            tag = parse_request(frame, num_blocks=LAYOUT.num_blocks).__struct_config__.tag
+            assume(tag != "zero")
+        try:
+            reply = live_receiver.send_raw(frame, timeout=10.0)
+        except PeerProtocolError as exc:
+            assert sent is None, f"a valid request was refused: {exc}"
+            assert "decode service error PeerProtocolError" in str(exc)
+            outcomes("refused")
+        else:  # a valid request, answered with its own kind of reply
+            req = parse_request(frame, num_blocks=LAYOUT.num_blocks)
+            assert set(reply) == set(REPLY_OF[type(req)].__struct_fields__), reply
+            if isinstance(req, ChecksumRequest):
+                assert len(reply["digests"]) == DIGEST_SIZE * len(req.blocks)
+            outcomes("answered")
+        assert live_receiver.request({"cmd": "ping"}, timeout=10.0)["pid"] == live_receiver.pid
+
+    run()
+    outcomes.require()
 
 
 @pytest.mark.parametrize(
