@@ -303,8 +303,16 @@ class KVGuardConnector(KVConnectorBase_V1):
             f", control {self.sender.endpoint}" if self.sender else "",
         )
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Start this step's holds and loads as soon as the worker has them.
+
+        vLLM 0.32 calls ``start_load_kv`` after the step's forward when every
+        load is asynchronous (kvguard's all are): on a CPU a whole prefill
+        step later, which a decode's push, already waiting, would wait out
+        too. Binding comes before the forward, once per step.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
         if not isinstance(meta, KVGuardMetadata):
             return
         if self.sender is not None:
@@ -318,6 +326,9 @@ class KVGuardConnector(KVConnectorBase_V1):
                 self.receiver.forget(endpoint, remote)
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # started in bind_connector_metadata, before the forward
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
