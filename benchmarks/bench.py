@@ -108,7 +108,13 @@ def verdicts(result: dict[str, Any]) -> list[tuple[Budget, float, bool]]:
     return [(b, float(result[b.key]), b.ok(float(result[b.key]), b.limit)) for b in BUDGET]
 
 
-def main(json_path: Path | None = None, quick: bool = False) -> int:
+def main(json_path: Path | None = None, quick: bool = False, vllm: bool = False) -> int:
+    if vllm:  # two real vLLM servers per connector; re-executed in .venv-vllm if need be
+        from . import vllm_pd
+
+        return vllm_pd.main(
+            [*(["--quick"] if quick else []), *(["--json", str(json_path)] if json_path else [])]
+        )
     result = run(quick)
     print("\n== budget" + (" (--quick: reported, not enforced)" if quick else ""))
     failed = 0
@@ -141,4 +147,4 @@ def main(json_path: Path | None = None, quick: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(quick="--quick" in sys.argv[1:]))
+    sys.exit(main(quick="--quick" in sys.argv[1:], vllm="--vllm" in sys.argv[1:]))

@@ -137,7 +137,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     # the library: import it only for this command.
     from benchmarks.bench import main as bench_main
 
-    return bench_main(json_path=args.json, quick=args.quick)
+    return bench_main(json_path=args.json, quick=args.quick, vllm=args.vllm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--quick", action="store_true", help="smoke test: fewer reps, no verdict")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: kvguard's vLLM connector against vLLM's own in real OpenAI servers "
+        "(python -m benchmarks.vllm_pd, run with .venv-vllm's interpreter)",
+    )
     p.set_defaults(func=_cmd_bench)
     return parser
 

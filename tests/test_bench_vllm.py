@@ -1,0 +1,64 @@
+"""The vLLM PD benchmark's own arithmetic and its CPU shim (no vLLM needed)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.vllm_checkpoint import CONFIG, kv_bytes_per_token
+from benchmarks.vllm_pd import percentile, union_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_union_counts_overlaps_once_and_gaps_not_at_all() -> None:
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(0.0, 1.0)]) == 1.0
+    assert union_seconds([(0.0, 2.0), (1.0, 3.0)]) == 3.0  # overlap
+    assert union_seconds([(0.0, 4.0), (1.0, 2.0)]) == 4.0  # contained
+    assert union_seconds([(5.0, 6.0), (0.0, 1.0)]) == 2.0  # gap, unsorted
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # few samples: p99 is the max
+    assert percentile([7.0], 50) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_the_checkpoint_moves_32_kib_of_kv_per_token() -> None:
+    assert kv_bytes_per_token() == 4 * 8 * 128 * 2 * 4 == 32768
+    assert CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] == 32
+
+
+_PROBE = """
+import torch
+try:
+    print(torch.accelerator.current_device_index())
+except RuntimeError as exc:
+    print("raised", exc)
+"""
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the shim is for hosts without one")
+@pytest.mark.parametrize("shim", [False, True])
+def test_the_device_shim_applies_only_in_benchmark_servers(shim: bool, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVGUARD_BENCH_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "_site"), str(ROOT)])
+    if shim:
+        env["KVGUARD_BENCH_DIR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if shim:
+        assert out == "0"
+    else:
+        assert out == "raised Cannot access accelerator device when none is available."
