@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -347,12 +348,35 @@ def test_fault_validation() -> None:
         Fault("hang")  # type: ignore[arg-type]
 
 
-# -- property: every op settles, and success means intact blocks -------------------
+# -- property: every op settles with its fault's exact error, and success means intact blocks
+
+# What each drawn fault ends its op with: (error type, message pattern).
+FAULT_ERRORS: dict[FaultKind, tuple[type[TransferError] | None, str]] = {
+    FaultKind.NONE: (None, ""),
+    FaultKind.ERROR_CODE: (EngineError, rf"^transfer to {PEER} returned -1 \(injected\)$"),
+    FaultKind.RAISE: (
+        EngineError,
+        r"^engine raised: RuntimeError\('engine binding raised \(injected\)'\)$",
+    ),
+    FaultKind.HANG: (EngineError, r"^injected hang released$"),
+    FaultKind.FAIL_BATCH: (EngineError, rf"^batch (\d) of 2 to {PEER} failed \(injected\)$"),
+    FaultKind.LOSE_PEER: (PeerLost, rf"^peer {PEER} lost \(injected\)$"),
+}
 
 
-@settings(max_examples=20)
-@given(seed=st.integers(0, 2**32), rate=st.floats(0.0, 1.0))
-def test_every_op_settles_and_success_means_integrity(seed: int, rate: float) -> None:
+def test_every_op_settles_with_its_faults_error_and_success_means_integrity() -> None:
+    seen: set[FaultKind] = set()
+
+    @settings(max_examples=20)
+    @given(seed=st.integers(0, 2**32), rate=st.floats(0.0, 1.0))
+    def run(seed: int, rate: float) -> None:
+        _six_faulty_submits(seed, rate, seen)
+
+    run()
+    assert seen == set(FAULT_ERRORS), f"no example drew {set(FAULT_ERRORS) - seen}"
+
+
+def _six_faulty_submits(seed: int, rate: float, seen: set[FaultKind]) -> None:
     kinds = (*DEFAULT_FAULT_KINDS, FaultKind.LOSE_PEER)
     layout = KVLayout(num_layers=1, num_blocks=8, block_bytes=16, kv_split=False)
     src = KVCache(layout)
@@ -368,16 +392,29 @@ def test_every_op_settles_and_success_means_integrity(seed: int, rate: float) ->
             backend.inner.register_peer(PEER, dst)
             backend.restore_peer(PEER)
             srcs, dsts = [i, (i + 3) % 8], [5, 1]
-            hangs = backend.stats[FaultKind.HANG]
-            op = backend.submit(
-                build_plan(src, dst.peer_info(PEER), srcs, dsts, max_batch_entries=1)
-            )
-            if backend.stats[FaultKind.HANG] > hangs:  # a hang settles only when released
+            before = backend.stats
+            info = dst.peer_info(PEER)
+            plan = build_plan(src, info, srcs, dsts, max_batch_entries=1)
+            op = backend.submit(plan)
+            (kind,) = [k for k, n in backend.stats.items() if n > before[k]]  # one per submit
+            seen.add(kind)
+            if kind is FaultKind.HANG:  # a hang settles only when released
                 assert not op.done and not op.quiesced
                 backend.release_hangs()
-            assert _settled(op).error is not None or src.blocks_equal(dst, srcs, dsts) == []
-            if op.error is not None:
-                assert isinstance(op.error, TransferError)
+            error = _settled(op).error
+            want, message = FAULT_ERRORS[kind]
+            assert (None if error is None else type(error)) is want, (kind, error)
+            if error is None:  # the only success: every block arrived
+                assert src.blocks_equal(dst, srcs, dsts) == []
+                continue
+            match = re.match(message, str(error))
+            assert match, (kind, error)
+            if kind is FaultKind.FAIL_BATCH:  # the other batch really arrived
+                addr = plan.batches[int(match.group(1))].dst[0]
+                failed = (addr - info.block_base[0]) // layout.block_bytes
+                assert src.blocks_equal(dst, srcs, dsts) == [failed]
+            else:  # nothing was sent: the destination is as it was
+                assert src.blocks_equal(dst, srcs, dsts) == sorted(dsts)
         assert sum(backend.stats.values()) == 6
     finally:
         backend.close()

@@ -55,6 +55,7 @@ from transfer import (
     TransferError,
     TransferOp,
     TransferPlan,
+    TransferTimeout,
 )
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, block_bytes=64)
@@ -1079,7 +1080,7 @@ def test_a_callback_raising_anything_stops_nothing(
     def boom(*_args: object) -> None:
         raise exc("from a callback")
 
-    rig = make_rig([HANG], release=boom if where == "release" else None)
+    rig = make_rig([HANG, NONE, HANG], release=boom if where == "release" else None)
     if where == "observer":
         rig.sched.add_observer(boom)
     first = rig.submit("first", [0], [0], deadline_s=0.2)
@@ -1087,10 +1088,12 @@ def test_a_callback_raising_anything_stops_nothing(
         first.add_done_callback(boom)
     assert first.wait(WAIT) is _S.FAILED  # the hang times out: callbacks run
     rig.faults.release_hangs()
-    # Queued requests still have deadlines, and work still gets done.
+    # Work still gets done, and deadlines still fire.
     assert rig.submit("ok", [1], [1]).wait(WAIT) is _S.DONE
-    lc = rig.submit("late", [2], [2], deadline_s=0.2)
-    assert rig.sched.wait("late") is _S.DONE or lc.reason is FailureReason.TIMEOUT
+    lc = rig.submit("late", [2], [2], deadline_s=0.2)  # hangs
+    assert rig.sched.wait("late") is _S.FAILED
+    assert (lc.reason, type(lc.error)) == (FailureReason.TIMEOUT, TransferTimeout)
+    rig.faults.release_hangs()  # its blocks are released once the hang ends
     assert rig.sched.drain(WAIT)
     m = rig.sched.metrics()
     assert m.driver_alive and m.released == 3
