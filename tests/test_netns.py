@@ -212,6 +212,8 @@ def test_link_cut_keeps_blocks_quarantined_until_the_engine_returns(
     assert m["live_by_state"] == {"PENDING": 0, "TRANSFERRING": 0}, m
     assert m["released_before_quiesce"] == 0 and m["double_releases"] == 0, m
     stuck = [r for r in partition["records"] if r["released_at"] is None and r["state"] == "FAILED"]
+    # A cut with nothing left quarantined proves nothing about I6: require it.
+    assert stuck, "nothing was quarantined at the end of the cut"
     assert m["quarantined"] == len(stuck), (m, len(stuck))
     for r in partition["records"]:
         if r["released_at"] is not None:
