@@ -17,14 +17,15 @@ import importlib
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
-__all__ = ["lazy_exports", "lazy_getattr"]
+__all__ = ["lazy_exports"]
 
 
 def lazy_exports(
     package: str, exports: Mapping[str, Sequence[str]], namespace: MutableMapping[str, Any]
 ) -> tuple[list[str], Callable[[str], Any]]:
     """``(__all__, __getattr__)`` of ``package``, from ``exports``: each
-    relative module and the public names it defines.
+    relative module and the public names it defines. ``__getattr__`` imports
+    a name's module on first use and stores the name in ``namespace``.
 
     Raises ValueError naming a name listed twice, and where.
     """
@@ -36,13 +37,6 @@ def lazy_exports(
                     f"{package} exports {name!r} twice: from {table[name]!r} and {module!r}"
                 )
             table[name] = module
-    return sorted(table), lazy_getattr(package, table, namespace)
-
-
-def lazy_getattr(
-    package: str, table: Mapping[str, str], namespace: MutableMapping[str, Any]
-) -> Callable[[str], Any]:
-    """A module ``__getattr__`` resolving ``name`` from ``table[name]`` (a relative module)."""
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)
@@ -52,4 +46,4 @@ def lazy_getattr(
         namespace[name] = value  # later look-ups skip this function
         return value
 
-    return __getattr__
+    return sorted(table), __getattr__

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle._lazy import lazy_exports, lazy_getattr
+from lifecycle._lazy import lazy_exports
 
 
 def test_resolves_on_first_use_and_caches_in_the_namespace() -> None:
     ns: dict[str, object] = {}
-    getattr_ = lazy_getattr("lifecycle", {"TransferState": "._table"}, ns)
+    _, getattr_ = lazy_exports("lifecycle", {"._table": ("TransferState",)}, ns)
     from lifecycle._table import TransferState
 
     assert getattr_("TransferState") is TransferState
@@ -20,12 +20,12 @@ def test_resolves_on_first_use_and_caches_in_the_namespace() -> None:
 
 
 def test_an_unknown_name_is_an_attribute_error_naming_it() -> None:
-    getattr_ = lazy_getattr("pkgname", {}, {})
+    _, getattr_ = lazy_exports("pkgname", {"._table": ("TransferState",)}, {})
     with pytest.raises(AttributeError, match=r"^module 'pkgname' has no attribute 'nope'$"):
         getattr_("nope")
 
 
-PACKAGES = ("scheduler", "transfer")
+PACKAGES = ("scheduler", "transfer", "kvguard.proxy")
 
 
 def _type_checking_imports(path: str) -> list[tuple[str, str, str | None]]:
@@ -115,7 +115,7 @@ def test_a_name_listed_twice_is_refused_naming_it_and_both_places(
 def test_the_name_is_taken_from_the_named_module_not_the_package() -> None:
     # A name the package itself does not have: only lifecycle._lifecycle does.
     ns: dict[str, object] = {}
-    getattr_ = lazy_getattr("lifecycle", {"_PLAIN": "._lifecycle"}, ns)
+    _, getattr_ = lazy_exports("lifecycle", {"._lifecycle": ("_PLAIN",)}, ns)
     from lifecycle._lifecycle import _PLAIN
 
     assert getattr_("_PLAIN") is _PLAIN

@@ -67,24 +67,23 @@ Importing this package loads nothing else; aiohttp only when a name of
 
 from typing import TYPE_CHECKING
 
-from lifecycle._lazy import lazy_getattr
+from lifecycle._lazy import lazy_exports
 
-# Name -> module (PEP 562): the command line builds its parser from
-# ``config`` without importing aiohttp.
-_LAZY = {
-    "ProxyConfig": ".config",
-    "ProxyError": ".protocol",
-    "Failure": ".protocol",
-    "make_app": ".server",
-    "run_proxy": ".server",
-    "serve": ".server",
+# The public names, once: module -> what it defines. Imported on first use
+# (PEP 562): the command line builds its parser from ``config`` without
+# importing aiohttp.
+_EXPORTS = {
+    ".config": ("ProxyConfig",),
+    ".protocol": ("Failure", "ProxyError"),
+    ".server": ("make_app", "run_proxy", "serve"),
 }
 
-if TYPE_CHECKING:
-    from .config import ProxyConfig
-    from .protocol import Failure, ProxyError
-    from .server import make_app, run_proxy, serve
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
-
-__all__ = ["Failure", "ProxyConfig", "ProxyError", "make_app", "run_proxy", "serve"]
+if TYPE_CHECKING:  # the same names, for type checkers (tests/test_lazy.py: they agree)
+    from .config import ProxyConfig as ProxyConfig
+    from .protocol import Failure as Failure
+    from .protocol import ProxyError as ProxyError
+    from .server import make_app as make_app
+    from .server import run_proxy as run_proxy
+    from .server import serve as serve
