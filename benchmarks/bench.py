@@ -37,7 +37,7 @@ def _ge(v: float, lim: float) -> bool:
     return v >= lim
 
 
-# The performance budget (DESIGN.md, issue 6). One row per line.
+# The performance budget (issue 6). One row per line.
 BUDGET: tuple[Budget, ...] = (
     Budget("lifecycle_us", 15.0, _le, "<= 15 us per full lifecycle"),
     Budget("lifecycle_flatness", 1.5, _le, "<= 1.5 from 1k to 1M live requests"),

@@ -18,8 +18,8 @@ the same registered memory, interleaved (A B A B ...) so that drift on a noisy
   every one of them is FAILED;
 * frozen peer: SIGSTOP it, how far past its deadline each request ends.
 
-* timeline (``--timeline`` only): the I6 scenario of issue 10 -- freeze the
-  peer, give up at a 1 s deadline, stay frozen past the engine's timeout,
+* timeline (``--timeline`` only): the release-after-quiesce scenario of issue 10 --
+  freeze the peer, give up at a 1 s deadline, stay frozen past the engine's timeout,
   refill the source at release, thaw -- and the same with a kill: when the
   op failed, when it was released, and whether any byte moved after release.
 
@@ -323,7 +323,7 @@ def run(quick: bool = False) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--timeline", action="store_true", help="issue 10's I6 scenario only")
+    parser.add_argument("--timeline", action="store_true", help="the quiesce scenario only")
     args = parser.parse_args()
     if args.timeline:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))

@@ -2,15 +2,16 @@
 
 Whatever way the guarded block exits — return, exception, BaseException,
 asyncio cancellation, generator close — a request that is still not terminal
-is failed with the reason the exit path implies (invariant I3). The exception
-itself always propagates unchanged: the guard records, it never swallows.
+is failed with the reason the exit path implies: no exit leaves it live. The
+exception itself always propagates unchanged: the guard records, it never
+swallows.
 
 A request retried back to PENDING is not terminal, so a retry loop belongs
 inside one guarded scope, not around several.
 
 Exception groups (asyncio.TaskGroup): when every leaf maps to a typed reason
 (one other than WORKER_CRASHED), the group gets the first leaf's, depth
-first, as the first cause wins (I2); a single untyped leaf makes the group
+first, as the first cause wins; a single untyped leaf makes the group
 WORKER_CRASHED, since a bug must not hide behind a peer loss.
 """
 
@@ -111,7 +112,7 @@ class _Guarded:
     """Shared by the wrappers below: the guard is armed when the worker is
     *created*, not when its body first runs, so a coroutine cancelled before
     its first step or a generator closed before its first ``next()`` still
-    leaves its request terminal (I3). Every outcome of every call into the
+    leaves its request terminal. Every outcome of every call into the
     inner object goes through ``_end``; the first one decides (later ones
     find the request terminal)."""
 

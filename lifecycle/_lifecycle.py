@@ -66,7 +66,7 @@ class RequestLifecycle:
     """PENDING -> TRANSFERRING -> DONE | FAILED, with bounded retries.
 
     Every event returns True when it changed the state. On a terminal request
-    every event is a no-op that returns False (invariant I1): late
+    every event is a no-op that returns False (terminal is absorbing): late
     completions and duplicate failures are normal races.
     """
 
@@ -88,7 +88,7 @@ class RequestLifecycle:
     request_id: str
     max_attempts: int  # >= 1; retry() is allowed only while _attempt < max_attempts
     _lock: threading.Lock  # guards every field below that an event mutates
-    _outcome: Outcome  # replaced whole, never mutated; once terminal, never replaced (I1)
+    _outcome: Outcome  # replaced whole, never mutated; once terminal, never replaced
     _attempt: int  # number of start() calls; 0 <= _attempt <= max_attempts
     _history: list[TransitionRecord]  # a path through DISPATCH; exactly one terminal record
     _callbacks: list[DoneCallback] | None  # pending done-callbacks; None once they have run

@@ -60,7 +60,7 @@ class Event(str, enum.Enum):
 
 
 class FailureReason(enum.Enum):
-    """Why a request ended FAILED. The first cause wins (invariant I2)."""
+    """Why a request ended FAILED. The first cause wins: a request ends exactly once."""
 
     __hash__ = object.__hash__  # as TransferState
 

@@ -1,6 +1,8 @@
 """Stateful and concurrent tests: actors race to end requests, workers leave by
-every exit path, and the invariants of DESIGN.md (I1-I3) must hold after
-every step.
+every exit path, and after every step: an event on a terminal request changes
+nothing and returns False, each request makes exactly one terminal transition
+(the first cause wins), and every way out of a worker leaves its request
+terminal.
 
 The expected behaviour comes from ``Shadow``, a hand-written model of the
 issue-2 contract, independent of ``lifecycle.DISPATCH``; the history is also

@@ -6,7 +6,8 @@ nothing about the slices the engine still moves (after one returned -1, a
 frozen peer's blocks were seen landing once it thawed), and each call
 spins a core. ``transfer_submit_write`` gives one engine id per entry and
 ``transfer_check_status`` its final status; an op quiesces only when every
-entry the engine accepted has one (I6), however long that takes.
+entry the engine accepted has one, however long that takes: only then may
+its blocks be reused.
 
 Ownership: every field marked (loop) is read and written by the loop thread
 only. Other threads reach the loop through ``post`` (a new op, or a cancel)
@@ -403,7 +404,7 @@ class EngineLoop:
             if op.batch < len(op.plan.batches):
                 op._resolve(TransferCancelled("stopped with entries left", peer=op.plan.peer))
             else:
-                op._resolve(None)  # every entry ended with status 1 (I5)
+                op._resolve(None)  # DONE only when every entry ended with status 1
         self._ops.discard(op)
         op._quiesce()
         self._hooks.retire(op)

@@ -9,7 +9,7 @@ lives in the returned ``TransferOp``. An op has two separate completions:
   accepted, so it can no longer read or write the plan's buffers. A caller
   that gave up at its deadline, or an op failed at peer loss, has a result
   long before it is quiesced; KV blocks may be reused only after
-  quiescence (invariant I6). Between the two the op is *quarantined*.
+  quiescence, and exactly once. Between the two the op is *quarantined*.
 
 Destination ranges are checked where the plan runs, against the regions the
 peer advertised (``add_peer``), because ``TransferPlan`` is a public

@@ -149,7 +149,8 @@ class KVCache:
         """Compare ``self[src_blocks[i]]`` with ``other[dst_blocks[i]]`` in every buffer.
 
         Returns the sorted distinct destination block ids whose bytes differ in
-        any buffer; an empty list means the transfer is intact (invariant I7).
+        any buffer; an empty list means the transfer is intact (every destination
+        block equals its source block).
         """
         a, b = self.layout, other.layout
         if (a.num_layers, a.block_bytes, a.kv_split) != (b.num_layers, b.block_bytes, b.kv_split):

@@ -3,7 +3,8 @@
 Each class carries the ``lifecycle.FailureReason`` it maps to and whether a
 retry can help. ``CompletionGuard`` reads ``reason`` off the exception, so a
 TransferError escaping a worker fails the request with the right reason
-without any mapping code in between (invariant I5).
+without any mapping code in between: every backend failure ends FAILED
+with a typed reason.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class TransferTimeout(TransferError):
     """The transfer did not finish before its deadline.
 
     The engine call may still be running and writing into the buffers: the
-    operation is not quiesced until the call returns (invariant I6).
+    operation is not quiesced until the call returns, and its blocks may not
+    be reused before then.
     """
 
     reason = FailureReason.TIMEOUT

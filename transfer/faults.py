@@ -5,7 +5,8 @@
 real engine would produce or lets the transfer through. Every fault honours
 the op contract the scheduler relies on: one result, then quiescence --
 except HANG, which withholds both on purpose until ``release_hangs`` or
-``close`` (the caller's deadline must fire first: invariant I4).
+``close`` (the caller's deadline must fire first: no waiter may block
+past it, whatever the backend does).
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ class FaultInjectingBackend(TransferBackend):
 
     def _fail_batch(self, op: _LinkedOp, fault: Fault) -> None:
         """Really send every batch but one; the op fails, and quiesces only
-        once the inner op has (its writes may land until then: I6)."""
+        once the inner op has (its writes may land until then, so its blocks
+        stay quarantined)."""
         plan, peer = op.plan, op.plan.peer
         k = min(fault.batch, len(plan.batches) - 1)
         injected = EngineError(

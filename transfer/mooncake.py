@@ -9,8 +9,9 @@ the backend contract:
   (``_poller.EngineLoop``) polls ``transfer_check_status`` until each has a
   final status. An op's *result* may end early (failure, cancel, close, a
   peer found gone); its *quiescence* comes only when every entry the engine
-  accepted has a final status (I6). In between it is quarantined
-  (``quarantined()``), for as long as the peer stays frozen.
+  accepted has a final status; only then may its blocks be reused. In
+  between it is quarantined (``quarantined()``), for as long as the peer
+  stays frozen.
 * The engine gives no reason for a failure. It is classified by probing the
   peer (``FAILURE_CLASS``): a peer that still answers means the engine failed
   (EngineError, retryable); one that refuses or stays silent is gone --

@@ -1,4 +1,4 @@
-"""Byte-for-byte verification of DONE requests, off the critical path (I7).
+"""Byte-for-byte verification of DONE requests, off the critical path.
 
 ``kvguard run`` never returns a DONE request's destination blocks to the
 pool before their bytes were compared with the source; but the comparison
