@@ -9,15 +9,12 @@ and no verdict is enforced (a loaded CI machine says nothing about speed).
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import lifecycle_bench, mooncake_bench, scheduler_bench
+from . import lifecycle_bench, machine, mooncake_bench, scheduler_bench
 
 __all__ = ["BUDGET", "Budget", "describe_machine", "main", "run"]
 
@@ -65,22 +62,13 @@ KEYS = (
 
 
 def describe_machine() -> dict[str, Any]:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "mooncake": version("mooncake-transfer-engine-non-cuda"),
-        "transitions": version("transitions"),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
+    return machine.describe_machine(
+        {
+            "torch": "torch",
+            "mooncake": "mooncake-transfer-engine-non-cuda",
+            "transitions": "transitions",
+        }
+    )
 
 
 def run(quick: bool = False) -> dict[str, Any]:

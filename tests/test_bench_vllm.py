@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.machine import describe_machine
 from benchmarks.vllm_checkpoint import CONFIG, kv_bytes_per_token
-from benchmarks.vllm_pd import percentile, union_seconds
+from benchmarks.vllm_pd import _session_alive, percentile, session_cpu_seconds, union_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,6 +38,52 @@ def test_percentile_is_nearest_rank() -> None:
 def test_the_checkpoint_moves_32_kib_of_kv_per_token() -> None:
     assert kv_bytes_per_token() == 4 * 8 * 128 * 2 * 4 == 32768
     assert CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] == 32
+
+
+# Burns 0.3 s of its own CPU, says so, then sleeps until killed.
+_BURNER = """
+import time
+while time.process_time() < 0.3:
+    pass
+print("burnt", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_session_counts_its_cpu_and_is_dead_once_only_a_zombie_is_left() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BURNER], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"burnt\n"
+        assert _session_alive(proc.pid)
+        # /proc counts user and system time in whole clock ticks, each rounded down.
+        assert session_cpu_seconds(proc.pid) >= 0.3 - 2 / os.sysconf("SC_CLK_TCK")
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        assert not _session_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert not _session_alive(proc.pid)
+    assert session_cpu_seconds(proc.pid) == 0.0
+
+
+def test_the_machine_names_each_distributions_version_or_absent() -> None:
+    machine = describe_machine({"the_test": "pytest", "missing": "kvguard-no-such-dist"})
+    assert (machine["the_test"], machine["missing"]) == (pytest.__version__, "absent")
+    assert (machine["cpus"], machine["python"]) == (os.cpu_count(), sys.version.split()[0])
+    assert list(machine) == [
+        "platform",
+        "machine",
+        "cpus",
+        "python",
+        "the_test",
+        "missing",
+        "loadavg_1m",
+    ]
 
 
 _PROBE = """
