@@ -137,17 +137,18 @@ def _session_stats(sid: int) -> Iterator[list[bytes]]:
     and any helper it forks stay in its session even when reparented. A
     process that exits while being read is skipped.
     """
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(b")") + 2 :].split()
-        if int(fields[3]) == sid:  # field 6 of stat: the session id
-            yield fields
+    with os.scandir("/proc") as entries:  # closed too when a caller stops early
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            fields = raw[raw.rindex(b")") + 2 :].split()
+            if int(fields[3]) == sid:  # field 6 of stat: the session id
+                yield fields
 
 
 def session_cpu_seconds(sid: int) -> float:

@@ -50,6 +50,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.filterwarnings("error")  # the /proc scan leaves nothing open, even stopped early
 def test_a_session_counts_its_cpu_and_is_dead_once_only_a_zombie_is_left() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", _BURNER], stdout=subprocess.PIPE, start_new_session=True
