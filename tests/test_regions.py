@@ -89,6 +89,8 @@ def test_index_answers_like_brute_force(
             assert k is None
         # One region alone answers the same way the set of that one region does.
         assert any(r.contains(addr, length) for r in regions) is want
+        # The plan check's inlined loop answers each pair as ``find`` does.
+        assert index.first_outside([addr], [length]) == (None if want else (addr, length))
     outside = [q for q in queries if not holds(regions, *q)]
     expected = outside[0] if outside else None
     assert index.first_outside([a for a, _ in queries], [n for _, n in queries]) == expected
@@ -107,6 +109,26 @@ def test_index_finds_a_region_nested_inside_another() -> None:
     assert seam.contains(0, 10) and seam.contains(10, 10) and not seam.contains(5, 10)
     assert seam.first_outside([0, 5, 10], [10, 10, 10]) == (5, 10)
     assert len(RegionIndex([])) == 0 and not RegionIndex([]).contains(0, 1)
+
+
+def test_first_outside_refuses_an_empty_range_and_takes_a_one_byte_one() -> None:
+    index = RegionIndex([Region(0, 10)])
+    assert index.first_outside([3, 4], [1, 0]) == (4, 0)
+    assert index.first_outside([0, 9], [1, 1]) is None
+    assert index.first_outside([3], [-1]) == (3, -1)
+
+
+def test_first_outside_refuses_address_and_length_lists_of_unequal_length() -> None:
+    # A plan's addresses and lengths come in pairs: a missing length is a bug
+    # upstream, not a range that is inside.
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):
+        RegionIndex([Region(0, 10)]).first_outside([0, 1], [1])
+
+
+def test_a_region_ending_at_or_below_zero_is_found_like_any_other() -> None:
+    index = RegionIndex([Region(-8, 4), Region(0, 10)])
+    assert (index.find(-8, 4), index.find(-6, 2), index.find(0, 10)) == (0, 0, 1)
+    assert index.find(-4, 2) is None  # the gap between them
 
 
 # -- every call site agrees -------------------------------------------------------
