@@ -43,6 +43,8 @@ MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-ll
 REPORT = ROOT / ".venv-vllm" / "vllm-report.json"
 DEADLINE_S = 5.0  # per request, both sides
 SLACK_S = 1.0  # "within its deadline plus a second"
+# How long a quit engine may take to exit by itself (about 5 s measured): a hang guard.
+QUIT_S = 60.0
 MAX_TOKENS = 16
 N = 8
 _rng = random.Random(13)
@@ -83,6 +85,7 @@ class Engine:
             env=env,
         )
         self.pid = self.proc.pid
+        self.signalled = False  # killed or frozen by the test: close() kills it
         self._events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self.finished: dict[str, dict[str, Any]] = {}
         self.sent: dict[str, float] = {}
@@ -140,9 +143,16 @@ class Engine:
         return self._next(lambda e: e["ev"] == "usage", 30)
 
     def signal(self, sig: int) -> None:
+        self.signalled = True
         os.kill(self.pid, sig)
 
     def close(self) -> None:
+        """Quit an engine no signal reached and let it exit by itself; kill the rest."""
+        if self.proc.poll() is None and not self.signalled:
+            with contextlib.suppress(OSError):  # a pipe it closed by dying
+                self.send(op="quit")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(QUIT_S)
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)  # by pid; SIGKILL ends a stopped one too
@@ -157,6 +167,10 @@ def engine(name: str, role: str = "", policy: str = "fail", **extra: Any) -> Ite
         yield e
     finally:
         e.close()
+    if not e.signalled:  # asked to quit: it ends by itself, status 0, no abort
+        log = e.log.read_text()
+        assert e.proc.returncode == 0, f"{name} exited {e.proc.returncode}: {log[-3000:]}"
+        assert "terminate called" not in log, log[-3000:]
 
 
 def producer(name: str, **extra: Any) -> contextlib.AbstractContextManager[Engine]:

@@ -176,7 +176,8 @@ def main() -> None:
                 }
             )
     emit({"ev": "bye"})
-    os._exit(0)  # do not wait for vLLM's and Mooncake's threads
+    # Returns: the interpreter finalizes as any program's would, engine
+    # threads ended by the transfer library's exit hook (a quit is exit 0).
 
 
 def _worker_connector() -> Any:
