@@ -48,11 +48,6 @@ def servers() -> Iterator[tuple[Server, Server]]:
         decode.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,  # intermittent: some loads arrive in time
-    reason="issue 17 step 2: in server mode the decode's load reaches the Worker seconds "
-    "after the EngineCore allocated it, and the request fails at its deadline",
-)
 def test_one_request_through_pd_equals_non_pd(servers: tuple[Server, Server]) -> None:
     prefill, decode = servers
 

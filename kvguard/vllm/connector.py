@@ -46,6 +46,7 @@ from vllm.v1.request import RequestStatus
 
 from scheduler import RetryPolicy
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
+from transfer.affinity import parse_cpus, threads_on
 from transfer.backend import TransferBackend
 from transfer.mooncake import MooncakeBackend, engine_peer_budget
 from transfer.peer_protocol import peer_message_of
@@ -90,6 +91,10 @@ class _Settings:
     fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
     fault_seed: int = 0
     fault_kinds: tuple[str, ...] = ("error_code", "raise", "fail_batch")
+    # CPUs for kvguard's, ZeroMQ's and Mooncake's threads in the worker: ""
+    # every CPU of the process (vLLM pins the worker's thread to one core),
+    # a list ("0-3,6"), or "inherit" (the worker thread's own mask).
+    cpus: str = ""
 
     @classmethod
     def of(cls, extra: dict[str, Any]) -> _Settings:
@@ -109,6 +114,10 @@ class _Settings:
             raise ValueError(f"kvguard_max_inflight must be >= 0, got {s.max_inflight}")
         if s.protocol not in _PROTOCOLS:
             raise ValueError(f"kvguard_protocol must be one of {_PROTOCOLS}, got {s.protocol!r}")
+        try:
+            parse_cpus(s.cpus)
+        except ValueError as exc:
+            raise ValueError(f"kvguard_cpus: {exc}") from None
         return s
 
     def inflight(self) -> int:
@@ -268,6 +277,23 @@ class KVGuardConnector(KVConnectorBase_V1):
                 )
         layout = KVLayout(len(names), num_blocks, block_bytes, kv_split=False)
         self.cache = KVCache(layout, tensors=tensors)
+        # Every thread started below inherits the widened mask; this one keeps its own.
+        with threads_on(parse_cpus(self.settings.cpus)):
+            self._start_worker()
+        assert self.backend is not None
+        logger.info(
+            "KVGuardConnector %s: %d layers x %d blocks x %d bytes, Mooncake session %s%s",
+            "producer" if self.is_producer else "consumer",
+            len(names),
+            num_blocks,
+            block_bytes,
+            self.backend.session_id,
+            f", control {self.sender.endpoint}" if self.sender else "",
+        )
+
+    def _start_worker(self) -> None:
+        """The backend and the sender or receiver, with every thread they start."""
+        assert self.cache is not None
         self.backend = self.settings.make_backend()
         self.backend.register(self.cache)
         s = self.settings
@@ -293,15 +319,6 @@ class KVGuardConnector(KVConnectorBase_V1):
                 heartbeat_s=s.heartbeat_s,
                 heartbeat_timeout_s=s.heartbeat_timeout_s,
             )
-        logger.info(
-            "KVGuardConnector %s: %d layers x %d blocks x %d bytes, Mooncake session %s%s",
-            "producer" if self.is_producer else "consumer",
-            len(names),
-            num_blocks,
-            block_bytes,
-            self.backend.session_id,
-            f", control {self.sender.endpoint}" if self.sender else "",
-        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Start this step's holds and loads as soon as the worker has them.

@@ -112,6 +112,9 @@ class DecodeReceiver:
         self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
         self._links: dict[str, _Link] = {}  # receiver thread only
         self._waits: dict[str, _Wait] = {}  # receiver thread only
+        # Its own context: its I/O thread starts here, with this thread's CPUs
+        # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
+        self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvguard-vllm-receiver", daemon=True)
         self._thread.start()
@@ -162,6 +165,7 @@ class DecodeReceiver:
             for link in self._links.values():
                 link.sock.close()
                 link.monitor.close()
+            self._ctx.term()
 
     def _step(self, poller: zmq.Poller) -> None:
         while True:
@@ -181,7 +185,7 @@ class DecodeReceiver:
     def _link(self, poller: zmq.Poller, endpoint: str) -> _Link:
         link = self._links.get(endpoint)
         if link is None:
-            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+            sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb_ms)

@@ -115,7 +115,10 @@ class PrefillSender:
         self._starts: deque[tuple[str, bytes, Push]] = deque()  # (L) pushes matched by hold()
         self._peers: dict[str, PeerInfo] = {}  # sender thread only
         self.stats = SenderStats()  # (L)
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        # Its own context: its I/O thread starts here, with this thread's CPUs
+        # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
+        self._ctx = zmq.Context()
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone decode raises
@@ -123,6 +126,7 @@ class PrefillSender:
             sock.bind(endpoint_of(bind))
         except zmq.ZMQError as exc:
             sock.close()
+            self._ctx.term()
             self._sched.close(timeout=1.0)
             raise OSError(f"kvguard sender cannot listen on {bind}: {exc}") from exc
         self._sock = sock
@@ -165,6 +169,7 @@ class PrefillSender:
         self._thread.join(timeout)
         self._sched.close(timeout=timeout)
         self._sock.close()
+        self._ctx.term()
 
     # -- the sender thread -----------------------------------------------------
 
