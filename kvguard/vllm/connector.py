@@ -27,8 +27,9 @@ models), CPU or CUDA tensors that are contiguous per layer.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import group_kernel_blocks
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -80,6 +82,7 @@ class _Settings:
     host: str = "127.0.0.1"  # advertised to peers: Mooncake session and control endpoint
     control_port: int = 17600  # prefill only: where decodes connect
     deadline_s: float = 10.0  # per request unless kv_transfer_params say otherwise
+    max_deadline_s: float = 60.0  # the most a client's kvguard_deadline_s may ask for
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
     # prefill: kvguard transfers in flight at once; 0 follows the engine's own
@@ -108,8 +111,11 @@ class _Settings:
                 raise ValueError(f"unknown kvguard setting {key!r}")
             default = getattr(s, name)
             setattr(s, name, tuple(value) if isinstance(default, tuple) else type(default)(value))
-        if s.deadline_s <= 0:
-            raise ValueError(f"kvguard_deadline_s must be > 0, got {s.deadline_s}")
+        if not 0 < s.deadline_s <= s.max_deadline_s:
+            raise ValueError(
+                f"kvguard_deadline_s must be > 0 and <= kvguard_max_deadline_s "
+                f"({s.max_deadline_s}), got {s.deadline_s}"
+            )
         if s.max_inflight < 0:
             raise ValueError(f"kvguard_max_inflight must be >= 0, got {s.max_inflight}")
         if s.protocol not in _PROTOCOLS:
@@ -174,17 +180,23 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.backend: MooncakeBackend | None = None
         self.sender: PrefillSender | None = None
         self.receiver: DecodeReceiver | None = None
-        self._load_blocks: dict[str, list[int]] = {}  # decode: loads in flight
+        self._load_blocks: dict[str, list[int]] = {}  # decode: loads in flight or fenced
+        # decode: blocks of fenced loads, for vLLM's invalid-block path (see get_transfer_results)
+        self._invalid: set[int] = set()
+        self.compat = ""  # this engine's KV layout, as peers compare it
 
     # ==== scheduler side ======================================================
 
     def _deadline_s(self, params: dict[str, Any]) -> float:
-        value = params.get(P_DEADLINE, self.settings.deadline_s)
+        """A client's ``kvguard_deadline_s``, capped by ``kvguard_max_deadline_s``
+        (it pins blocks on both engines); the default if it is not a number > 0.
+        The prefill returns the value it used, so both sides agree on it."""
+        s = self.settings
         try:
-            deadline = float(value)
+            deadline = float(params.get(P_DEADLINE, s.deadline_s))
         except (TypeError, ValueError):
-            deadline = self.settings.deadline_s
-        return deadline if deadline > 0 else self.settings.deadline_s
+            return s.deadline_s
+        return min(deadline, s.max_deadline_s) if deadline > 0 else s.deadline_s
 
     @staticmethod
     def _wants_load(params: dict[str, Any] | None) -> bool:
@@ -266,9 +278,19 @@ class KVGuardConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches)
         tensors = [kv_caches[n] for n in names]
+        if self._kv_cache_config is not None:
+            # A kernel block size below --block-size splits each block in dim 0:
+            # view the scheduler's blocks as dim 0, as vLLM's own connectors do.
+            n = self._kv_cache_config.num_blocks
+            tensors = [group_kernel_blocks(t, n) for t in tensors]
         first = tensors[0]
         num_blocks = int(first.shape[0])
         block_bytes = first[0].numel() * first.element_size()
+        # What a peer's blocks must match, byte for byte: not the block count.
+        self.compat = (
+            f"{first.dtype}/{'x'.join(map(str, first.shape[1:]))}/layers={len(names)}"
+            f"/block_size={self._vllm_config.cache_config.block_size}"
+        )
         for n, t in zip(names, tensors, strict=True):
             if not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(
@@ -311,6 +333,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 peer_backends=(self.backend,),
                 workers=s.inflight(),
                 retry=RetryPolicy(max_attempts=s.max_attempts),
+                compat=self.compat,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
@@ -318,6 +341,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 peer_message_of(info),
                 heartbeat_s=s.heartbeat_s,
                 heartbeat_timeout_s=s.heartbeat_timeout_s,
+                compat=self.compat,
             )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -336,9 +360,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             for rid, blocks, deadline in meta.holds:
                 self.sender.hold(rid, blocks, deadline)
         if self.receiver is not None:
+            # n > 1: children of one request load one prefill request together.
+            groups = Counter((endpoint, remote) for _, _, endpoint, remote, _ in meta.loads)
             for rid, blocks, endpoint, remote, deadline in meta.loads:
                 self._load_blocks[rid] = blocks
-                self.receiver.expect(rid, endpoint, remote, blocks, deadline)
+                group = groups[(endpoint, remote)]
+                self.receiver.expect(rid, endpoint, remote, blocks, deadline, group)
             for endpoint, remote in meta.forgets:
                 self.receiver.forget(endpoint, remote)
             for rid in meta.cancels:
@@ -367,21 +394,43 @@ class KVGuardConnector(KVConnectorBase_V1):
         if self.sender is not None:
             results.finished_sending = self.sender.take_released()
         if self.receiver is not None:
+            # A load reported in finished_recving gives its blocks back to vLLM
+            # (at once for a finished request). A fenced failure must not: the
+            # prefill may still write them. Its blocks go out as load errors
+            # instead: vLLM fails the request now (policy fail) or holds it for
+            # recompute, and keeps the blocks until finished_recving, which
+            # comes once the receiver says nothing writes them.
             for out in self.receiver.take_finished():
-                results.finished_recving.add(out.request_id)
-                blocks = self._load_blocks.pop(out.request_id, [])
+                rid = out.request_id
                 if not out.ok:
-                    results.failed_recving.add(out.request_id)
                     logger.warning(
-                        "kvguard: KV load of %s failed (%s: %s) after %.3fs",
-                        out.request_id,
+                        "kvguard: KV load of %s failed (%s: %s) after %.3fs%s",
+                        rid,
                         out.reason,
                         out.detail,
                         out.latency_s,
+                        "; its blocks stay out of use until the prefill lets go"
+                        if out.fenced
+                        else "",
                     )
+                if out.fenced:
+                    self._invalid.update(self._load_blocks.get(rid, ()))
+                    continue
+                results.finished_recving.add(rid)
+                blocks = self._load_blocks.pop(rid, [])
+                if out.ok:
+                    self.on_loaded(rid, blocks)
                 else:
-                    self.on_loaded(out.request_id, blocks)
+                    results.failed_recving.add(rid)
+            for rid in self.receiver.take_released():
+                self._load_blocks.pop(rid, None)
+                results.finished_recving.add(rid)
+                results.failed_recving.add(rid)
         return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

@@ -1,21 +1,28 @@
-"""The decode side: ask a prefill to push, and never wait past the deadline.
+"""The decode side: ask a prefill to push, never wait past the deadline,
+and never let a block go back while the prefill may still write it.
 
 ``DecodeReceiver.expect(...)`` asks the prefill at ``endpoint`` to push its
 request's KV into local blocks (registered with this side's Mooncake
-engine). ``take_finished()`` then reports each expected request exactly
-once, as loaded or as failed, at the first of:
+engine). ``take_finished()`` then reports each expected load exactly once,
+as loaded or as failed, at the first of:
 
-* the prefill's ``Result`` -- sent only after kvguard released the blocks on
-  its side (terminal AND quiesced), so no write follows it;
-* the prefill's death: its TCP connection drops (ZeroMQ's monitor reports
-  the disconnect within milliseconds of a kill), or it cannot be reached;
-* its silence: ZeroMQ heartbeats unanswered for ``heartbeat_timeout_s``
-  (a frozen process; its TCP connection stays up);
-* the request's deadline.
+* the prefill's ``Result`` for this load -- sent only once nothing of the
+  prefill writes its blocks (kvguard released the transfer: terminal AND
+  quiesced, or it never started);
+* proof the prefill is gone: nothing listens on its control port (the
+  reconnect is refused); a killed process's socket closes with it;
+* its deadline, or the prefill falling silent (its connection drops: a
+  kill, or ZeroMQ heartbeats unanswered for ``heartbeat_timeout_s``: a
+  frozen or partitioned process). These are *fenced* outcomes: the prefill
+  may still write the blocks (a frozen one writes on thaw), so the load is
+  named again by ``take_released()`` once its ``Result`` or the proof
+  arrives; until then its blocks must stay out of circulation.
 
 One ``kvguard-vllm-receiver`` thread owns every socket (one DEALER per
 prefill endpoint, with its monitor); the engine's calls reach it through a
-queue.
+queue. A link whose prefill refused the connection is closed with whatever
+it still queued (a prefill started later on that port gets none of it), and
+a link idle for ``_IDLE_LINK_S`` is closed too.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
-from .protocol import MAX_FRAME_BYTES, Abort, Push, decode_from_prefill, encode
+from .protocol import MAX_FRAME_BYTES, Abort, Push, Result, decode_from_prefill, encode
 
 __all__ = ["DecodeReceiver", "LoadOutcome"]
 
@@ -44,6 +51,7 @@ _log = structlog.get_logger("kvguard.vllm.receiver")
 
 _POLL_MS: Final = 5
 _RECENT: Final = 4096  # outcomes kept for inspection
+_IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
 _EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -59,13 +67,16 @@ _EVENT_WORDS: Final[dict[int, str]] = {
 
 @dataclass(frozen=True, slots=True)
 class LoadOutcome:
-    """How one expected request ended on this side."""
+    """How one expected load ended on this side."""
 
     request_id: str
     ok: bool
     reason: str  # "" when ok; else timeout, peer_lost, or the prefill's reason
     detail: str
     latency_s: float  # expect() -> this outcome
+    # Failed with no word from the prefill: it may still write the blocks.
+    # ``take_released()`` names the request once nothing can.
+    fenced: bool = False
 
 
 @dataclass(slots=True)
@@ -74,7 +85,8 @@ class _Wait:
     remote_id: str
     deadline: float  # time.monotonic()
     started: float
-    cancelled: bool = False
+    reported: bool = False  # the engine has a fenced outcome; the verdict releases it
+    cancelled: bool = False  # the engine gave up; the verdict reports it
 
 
 @dataclass(slots=True)
@@ -84,8 +96,9 @@ class _Link:
     sock: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
     up: bool = False  # a ZMTP handshake succeeded and no drop since
-    down: bool = False  # dropped or refused since the last handshake
-    waits: dict[str, str] = field(default_factory=dict)  # remote id -> local id
+    lost: bool = False  # dropped since the last handshake: what we asked may be lost
+    waits: set[str] = field(default_factory=set)  # local ids awaiting this prefill's verdict
+    used: float = 0.0  # time.monotonic() of the last expect
 
 
 class DecodeReceiver:
@@ -98,17 +111,21 @@ class DecodeReceiver:
         heartbeat_s: float = 1.0,
         heartbeat_timeout_s: float = 3.0,
         margin_s: float = 0.25,
+        compat: str = "",
     ) -> None:
         """``peer``: what this side advertises (Mooncake session, layout,
         regions). ``margin_s``: the prefill is told to finish that much
-        before this side's deadline, so its verdict arrives in time."""
+        before this side's deadline, so its verdict arrives in time.
+        ``compat``: this side's KV layout fingerprint, sent with each push."""
         self._peer = peer
+        self._compat = compat
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
         self._margin_s = margin_s
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[LoadOutcome] = []  # (L) not yet taken
+        self._unfenced: list[str] = []  # (L) fenced loads nothing writes any more
         self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
         self._links: dict[str, _Link] = {}  # receiver thread only
         self._waits: dict[str, _Wait] = {}  # receiver thread only
@@ -128,9 +145,14 @@ class DecodeReceiver:
         remote_id: str,
         blocks: Sequence[int],
         deadline: float,
+        group: int = 1,
     ) -> None:
-        """Ask ``endpoint`` to push ``remote_id`` into ``blocks``; end by ``deadline``."""
-        self._inbox.put(("expect", (request_id, endpoint, remote_id, list(blocks), deadline)))
+        """Ask ``endpoint`` to push ``remote_id`` into ``blocks``; end by
+        ``deadline``. ``group``: loads of ``remote_id`` asked for together
+        (n > 1), so the prefill holds its blocks until all have asked."""
+        self._inbox.put(
+            ("expect", (request_id, endpoint, remote_id, list(blocks), deadline, group))
+        )
 
     def cancel(self, request_id: str) -> None:
         """The engine gave up on ``request_id``: ask the prefill to stop. It is
@@ -145,6 +167,12 @@ class DecodeReceiver:
     def take_finished(self) -> list[LoadOutcome]:
         with self._lock:
             out, self._finished = self._finished, []
+        return out
+
+    def take_released(self) -> list[str]:
+        """Loads reported fenced whose blocks nothing can write any more; each once."""
+        with self._lock:
+            out, self._unfenced = self._unfenced, []
         return out
 
     def close(self, timeout: float = 2.0) -> None:
@@ -177,10 +205,10 @@ class DecodeReceiver:
         ready = dict(poller.poll(_POLL_MS))
         for endpoint, link in list(self._links.items()):
             if ready.get(link.monitor):
-                self._monitor(endpoint, link)
-            if ready.get(link.sock):
+                self._monitor(poller, endpoint, link)
+            if ready.get(link.sock) and endpoint in self._links:
                 self._results(endpoint, link)
-        self._expire(time.monotonic())
+        self._expire(poller, time.monotonic())
 
     def _link(self, poller: zmq.Poller, endpoint: str) -> _Link:
         link = self._links.get(endpoint)
@@ -194,43 +222,55 @@ class DecodeReceiver:
             sock.setsockopt(zmq.IPV6, 1 if "[" in endpoint else 0)
             monitor = sock.get_monitor_socket(_EVENTS)
             sock.connect(endpoint)
-            link = _Link(sock, monitor)
+            link = _Link(sock, monitor, used=time.monotonic())
             self._links[endpoint] = link
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
         return link
 
+    def _drop_link(self, poller: zmq.Poller, endpoint: str) -> None:
+        """Close a link with whatever it still queued (LINGER 0)."""
+        link = self._links.pop(endpoint)
+        for sock in (link.sock, link.monitor):
+            poller.unregister(sock)
+            sock.close()
+
     def _command(self, poller: zmq.Poller, kind: str, args: tuple[object, ...]) -> None:
         if kind == "expect":
-            rid, endpoint, remote_id, blocks, deadline = args
+            rid, endpoint, remote_id, blocks, deadline, group = args
             assert isinstance(rid, str) and isinstance(remote_id, str)
             assert isinstance(endpoint, str) and isinstance(blocks, list)
-            assert isinstance(deadline, float)
+            assert isinstance(deadline, float) and isinstance(group, int)
             now = time.monotonic()
-            self._waits[rid] = _Wait(endpoint, remote_id, deadline, now)
+            if rid in self._waits:
+                # The engine reused an id still loading: one outcome per id, the first's.
+                _log.error("expect_duplicate", request=rid, remote=remote_id)
+                return
             try:
                 url = endpoint_of(endpoint)
             except ValueError as exc:
-                self._finish(rid, False, "bad_endpoint", str(exc))
-                return
-            self._waits[rid].endpoint = url
-            link = self._link(poller, url)
-            if link.down:
-                self._finish(rid, False, "peer_lost", f"prefill {url} is unreachable")
+                self._report(LoadOutcome(rid, False, "bad_endpoint", str(exc), 0.0))
                 return
             left = deadline - now - self._margin_s
             if left <= 0:
-                self._finish(rid, False, "timeout", "deadline passed before asking")
+                self._report(
+                    LoadOutcome(rid, False, "timeout", "deadline passed before asking", 0.0)
+                )
                 return
-            link.waits[remote_id] = rid
-            self._send(link, encode(Push(remote_id, blocks, self._peer, left)))
+            self._waits[rid] = _Wait(url, remote_id, deadline, now)
+            link = self._link(poller, url)
+            link.used = now
+            link.waits.add(rid)
+            expires = time.time() + left
+            push = Push(remote_id, rid, blocks, self._peer, expires, self._compat, group)
+            self._send(link, encode(push))
         elif kind == "cancel":
             (rid,) = args
             assert isinstance(rid, str)
             wait = self._waits.get(rid)
-            if wait is not None and not wait.cancelled:
+            if wait is not None and not wait.cancelled and not wait.reported:
                 wait.cancelled = True
-                self._send(self._link(poller, wait.endpoint), encode(Abort(wait.remote_id)))
+                self._abort(poller, rid, wait)
         elif kind == "forget":
             endpoint, remote_id = args
             assert isinstance(endpoint, str) and isinstance(remote_id, str)
@@ -240,31 +280,52 @@ class DecodeReceiver:
                 return
             self._send(self._link(poller, url), encode(Abort(remote_id)))
 
+    def _abort(self, poller: zmq.Poller, rid: str, wait: _Wait) -> None:
+        link = self._links.get(wait.endpoint)
+        if link is not None:
+            self._send(link, encode(Abort(wait.remote_id, rid)))
+
     def _send(self, link: _Link, body: bytes) -> None:
         try:
             link.sock.send(body, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # queue full: the deadline or the monitor ends it
             _log.info("send_failed", error=str(exc))
 
-    def _monitor(self, endpoint: str, link: _Link) -> None:
+    def _monitor(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
         while True:
             try:
                 event = recv_monitor_message(link.monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             ev = event["event"]
+            what = f"prefill {endpoint}: {_EVENT_WORDS.get(int(ev), f'event {ev}')}"
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.up, link.down = True, False
-                continue
-            if ev == zmq.EVENT_CONNECT_RETRIED and link.up:
-                continue  # a stale retry report from before the handshake
-            # Disconnected (a kill closes the socket; unanswered heartbeats
-            # close it too) or refused: nothing in flight to it can complete.
-            link.up, link.down = False, True
-            what = _EVENT_WORDS.get(int(ev), f"event {ev}")
-            for remote_id, rid in list(link.waits.items()):
-                del link.waits[remote_id]
-                self._finish(rid, False, "peer_lost", f"prefill {endpoint}: {what}")
+                if link.lost:  # what we asked may be lost: ask for every verdict again
+                    for rid in link.waits:
+                        self._abort(poller, rid, self._waits[rid])
+                link.up, link.lost = True, False
+            elif not link.up and not link.lost:
+                # Never connected: nothing we sent was delivered (messages
+                # flow only after a handshake), and closing the link drops
+                # what it queued, so no prefill started later gets it.
+                self._drop_all(poller, endpoint, link, what)
+                return
+            elif ev == zmq.EVENT_CONNECT_RETRIED and link.lost:
+                # A reconnect refused: nothing listens there any more, so no
+                # process of that prefill can write.
+                self._drop_all(poller, endpoint, link, what)
+                return
+            elif ev == zmq.EVENT_DISCONNECTED and link.up:
+                # Dropped: killed, or silent (frozen, partitioned). Not proof:
+                # a frozen prefill writes on thaw; the loads stay fenced.
+                link.up, link.lost = False, True
+                for rid in link.waits:
+                    self._give_up(rid, "peer_lost", what)
+
+    def _drop_all(self, poller: zmq.Poller, endpoint: str, link: _Link, what: str) -> None:
+        for rid in list(link.waits):
+            self._over(rid, Result(self._waits[rid].remote_id, rid, False, "peer_lost", what))
+        self._drop_link(poller, endpoint)
 
     def _results(self, endpoint: str, link: _Link) -> None:
         while True:
@@ -277,29 +338,54 @@ class DecodeReceiver:
             except PeerProtocolError as exc:
                 _log.warning("bad_prefill_message", endpoint=endpoint, error=str(exc))
                 continue
-            rid = link.waits.pop(res.request_id, None)
-            if rid is not None:
-                self._finish(rid, res.ok, res.reason, res.detail)
+            wait = self._waits.get(res.load_id)
+            if wait is None or wait.endpoint != endpoint or wait.remote_id != res.request_id:
+                _log.info("result_unexpected", endpoint=endpoint, load=res.load_id)
+                continue  # not a load of ours on this link: it marks nothing
+            self._over(res.load_id, res)
 
-    def _expire(self, now: float) -> None:
-        for rid, wait in list(self._waits.items()):
-            if wait.deadline <= now:
-                link = self._links.get(wait.endpoint)
-                if link is not None:
-                    link.waits.pop(wait.remote_id, None)
-                    if not wait.cancelled:  # best effort: let the prefill free it now
-                        self._send(link, encode(Abort(wait.remote_id)))
-                self._finish(rid, False, "timeout", "no verdict from the prefill by the deadline")
+    def _expire(self, poller: zmq.Poller, now: float) -> None:
+        for rid, wait in self._waits.items():
+            if wait.deadline <= now and not wait.reported and not wait.cancelled:
+                self._abort(poller, rid, wait)  # answered once nothing writes its blocks
+                self._give_up(rid, "timeout", "no verdict from the prefill by the deadline")
+        for endpoint, link in list(self._links.items()):
+            if not link.waits and now - link.used > _IDLE_LINK_S:
+                self._drop_link(poller, endpoint)
 
-    def _finish(self, rid: str, ok: bool, reason: str, detail: str) -> None:
-        wait = self._waits.pop(rid, None)
-        if wait is None:
+    def _give_up(self, rid: str, reason: str, detail: str) -> None:
+        """Report ``rid`` failed now, fenced: its verdict comes later."""
+        wait = self._waits[rid]
+        if wait.reported or wait.cancelled:
             return
-        out = LoadOutcome(rid, ok, "" if ok else reason, detail, time.monotonic() - wait.started)
-        if not ok:
-            _log.warning("kv_load_failed", request=rid, reason=reason, detail=detail)
+        wait.reported = True
+        self._report(LoadOutcome(rid, False, reason, detail, time.monotonic() - wait.started, True))
+
+    def _over(self, rid: str, res: Result) -> None:
+        """Nothing of the prefill writes ``rid``'s blocks any more."""
+        wait = self._waits.pop(rid)
+        link = self._links.get(wait.endpoint)
+        if link is not None:
+            link.waits.discard(rid)
+        if wait.reported:
+            with self._lock:
+                self._unfenced.append(rid)
+            _log.info("kv_load_released", request=rid, reason=res.reason)
+            return
+        latency = time.monotonic() - wait.started
+        self._report(LoadOutcome(rid, res.ok, "" if res.ok else res.reason, res.detail, latency))
+
+    def _report(self, out: LoadOutcome) -> None:
+        if not out.ok:
+            _log.warning(
+                "kv_load_failed",
+                request=out.request_id,
+                reason=out.reason,
+                detail=out.detail,
+                fenced=out.fenced,
+            )
         with self._lock:
             self._finished.append(out)
-            self.outcomes[rid] = out
+            self.outcomes[out.request_id] = out
             while len(self.outcomes) > _RECENT:
                 self.outcomes.popitem(last=False)

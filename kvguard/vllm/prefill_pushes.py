@@ -7,17 +7,20 @@
   decode, and ``take_released()`` each step, for the requests whose blocks
   the engine may free now;
 * decode sides, over ZeroMQ (``protocol``): ``Push`` asks to write a held
-  request's KV into the decode's blocks, ``Abort`` says it will not.
+  request's KV into one load's blocks, ``Abort`` gives a load up.
 
-Every held request ends in exactly one release, and only once nothing can
-touch its blocks any more (invariant I6):
+One held request may serve several loads (a decode's n > 1 children share
+one prefill request), each its own kvguard transfer, answered by its own
+``Result`` naming the load, and only once nothing writes that load's
+blocks: after kvguard's release callback (terminal AND every engine call
+quiesced), or at once when nothing was ever submitted for it. A load given
+up before its push started is remembered (``_aborted``), so a push read
+later (a frozen prefill reads its socket on thaw) is refused, never served.
 
-* pushed: a kvguard ``Scheduler`` request; released by kvguard's release
-  callback, which runs after the request is terminal AND every engine call
-  on its blocks has quiesced. The decode gets its ``Result`` then.
-* never asked for by its deadline, aborted by the decode before a push, or a
-  push refused before anything was submitted: released at once, no engine
-  call ever touched the blocks.
+Every held request ends in exactly one release to the engine, and only once
+nothing touches its blocks: when no load is in flight and as many were
+served as the decode asked for together, or the decode gave the request up,
+or its deadline passed.
 
 A ``Push`` may overtake the engine's ``hold`` (vLLM tells the worker one
 step after the client already has the request's parameters): it waits, until
@@ -31,11 +34,13 @@ under ``_lock``; no engine call and no socket call happens under it.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Final
 
 import structlog
@@ -49,7 +54,16 @@ from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import peer_info_of
 
-from .protocol import MAX_FRAME_BYTES, Abort, Push, Result, decode_from_decode, encode, truncate
+from .protocol import (
+    MAX_FRAME_BYTES,
+    Abort,
+    Push,
+    Result,
+    decode_from_decode,
+    encode,
+    ids_of,
+    truncate,
+)
 
 __all__ = ["PrefillSender", "SenderStats"]
 
@@ -64,11 +78,20 @@ _MAX_EARLY: Final = 4096
 
 
 @dataclass(slots=True)
+class _Load:
+    """One load in flight: a kvguard transfer exists; only its release ends it."""
+
+    ident: bytes  # the decode's ROUTER identity, for the Result
+    transfer: str  # the kvguard request id
+
+
+@dataclass(slots=True)
 class _Held:
     blocks: list[int]
-    deadline: float  # time.monotonic(); the hold ends then if no push started
-    pushed: bool = False  # a kvguard request exists; only its release ends the hold
-    ident: bytes | None = None  # the decode's ROUTER identity, for the Result
+    deadline: float  # time.monotonic(); the hold ends then unless a load is in flight
+    loads: dict[str, _Load] = field(default_factory=dict)  # load id -> in flight
+    served: int = 0  # loads answered after a transfer ran
+    group: int = 1  # loads the decode asked for together; the hold waits for as many
 
 
 @dataclass(slots=True)
@@ -80,6 +103,7 @@ class SenderStats:
     expired: int = 0  # no decode asked before the deadline
     aborted: int = 0  # the decode said it would not ask
     refused: int = 0  # a push that could not be submitted
+    loads: int = 0  # loads answered (a request serves one per decode child)
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -97,20 +121,28 @@ class PrefillSender:
         peer_backends: Sequence[TransferBackend] = (),
         workers: int = 4,
         retry: RetryPolicy | None = None,
+        compat: str = "",
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
-        faults); ``peer_backends`` also learn each decode's regions."""
+        faults); ``peer_backends`` also learn each decode's regions. ``compat``:
+        this side's KV layout fingerprint; a push with another is refused."""
         self._peer_backends = tuple(peer_backends)
         self._backend = backend
+        self._compat = compat
         self._sched = Scheduler(
             backend, cache, workers=workers, retry=retry, default_deadline_s=30.0
         )
+        self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}  # (L) held, pushed or not, until released
-        self._early: dict[str, tuple[bytes, Push, float]] = {}  # (L) pushes before their hold
-        self._deadlines: list[tuple[float, str]] = []  # (L) lazy heap over _held and _early
+        self._held: dict[str, _Held] = {}  # (L) held until released to the engine
+        # (L) pushes read before their hold, by (request, load): (ident, push, until)
+        self._early: dict[tuple[str, str], tuple[bytes, Push, float]] = {}
+        # (L) lazy heap over _held (load "") and _early deadlines
+        self._deadlines: list[tuple[float, str, str]] = []
         self._released: set[str] = set()  # (L) released, not yet taken by the engine
-        self._recent: OrderedDict[str, str] = OrderedDict()  # (L) id -> how it ended
+        self._recent: OrderedDict[str, str] = OrderedDict()  # (L) id -> how its hold ended
+        # (L) loads given up before their push started: a later push is refused
+        self._aborted: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._outbox: deque[tuple[bytes, bytes]] = deque()  # (L) results to send
         self._starts: deque[tuple[str, bytes, Push]] = deque()  # (L) pushes matched by hold()
         self._peers: dict[str, PeerInfo] = {}  # sender thread only
@@ -145,13 +177,12 @@ class PrefillSender:
             if request_id in self._held or request_id in self._recent:
                 _log.warning("hold_duplicate", request=request_id)
                 return
-            held = _Held(list(blocks), deadline)
-            self._held[request_id] = held
-            heapq.heappush(self._deadlines, (deadline, request_id))
+            self._held[request_id] = _Held(list(blocks), deadline)
+            heapq.heappush(self._deadlines, (deadline, request_id, ""))
             self.stats.held += 1
-            early = self._early.pop(request_id, None)
-            if early is not None:  # the sender thread starts it (it owns peers)
-                self._starts.append((request_id, early[0], early[1]))
+            for key in [k for k in self._early if k[0] == request_id]:
+                ident, push, _ = self._early.pop(key)  # the sender thread starts it (it owns peers)
+                self._starts.append((request_id, ident, push))
 
     def take_released(self) -> set[str]:
         """Requests whose blocks nothing touches any more; each is returned once."""
@@ -204,45 +235,65 @@ class PrefillSender:
             msg = decode_from_decode(body)
         except PeerProtocolError as exc:
             _log.warning("bad_decode_message", error=str(exc))
+            ids = ids_of(body)  # answer the load, or its decode waits out its deadline
+            if ids is not None:
+                self._reply(ident, Result(ids[0], ids[1], False, "bad_request", truncate(str(exc))))
             return
         if isinstance(msg, Abort):
-            self._abort(msg.request_id)
+            self._abort(ident, msg.request_id, msg.load_id)
             return
-        rid = msg.request_id
+        rid, key = msg.request_id, (msg.request_id, msg.load_id)
         with self._lock:
             held = self._held.get(rid)
             ended = self._recent.get(rid)
-            early = held is None and ended is None and len(self._early) < _MAX_EARLY
+            aborted = key in self._aborted
+            early = held is None and ended is None and not aborted and len(self._early) < _MAX_EARLY
             if early:
                 # The engine has not told us yet: wait for hold(), briefly.
-                until = time.monotonic() + min(msg.deadline_s, _EARLY_WAIT_S)
-                self._early[rid] = (ident, msg, until)
-                heapq.heappush(self._deadlines, (until, rid))
+                left = msg.expires_at - time.time()
+                until = time.monotonic() + max(0.0, min(left, _EARLY_WAIT_S))
+                self._early[key] = (ident, msg, until)
+                heapq.heappush(self._deadlines, (until, rid, msg.load_id))
                 return
-        if held is None:
+        if aborted:
+            self._answer(ident, msg, "aborted", "the decode gave this load up before")
+        elif held is None:
             what = f"request {ended}" if ended else "too many unknown requests"
-            self._reply(ident, Result(rid, False, "unknown_request", what))
-        elif held.pushed:
-            _log.warning("push_duplicate", request=rid)
+            self._answer(ident, msg, "unknown_request", what)
+        elif msg.load_id in held.loads:
+            _log.warning("push_duplicate", request=rid, load=msg.load_id)
         else:
             self._start(rid, ident, msg)
 
+    def _answer(self, ident: bytes, push: Push, reason: str, detail: str) -> None:
+        """A push that started nothing: nothing of ours writes its blocks."""
+        with self._lock:
+            self.stats.loads += 1
+        self._reply(ident, Result(push.request_id, push.load_id, False, reason, detail))
+
     def _start(self, rid: str, ident: bytes, push: Push) -> None:
-        """Turn a held request and a decode's push into a kvguard request."""
+        """Turn a held request and a decode's push into a kvguard transfer."""
+        key = (rid, push.load_id)
+        transfer = f"kvguard-push-{next(self._ids)}"
         with self._lock:
             held = self._held.get(rid)
-            if held is None or held.pushed:
+            if held is None or push.load_id in held.loads or key in self._aborted:
                 return
-            held.pushed, held.ident = True, ident
+            held.loads[push.load_id] = _Load(ident, transfer)
+            held.group = max(held.group, push.group)
             left = held.deadline - time.monotonic()
         try:
+            if push.compat != self._compat:
+                raise PeerProtocolError(
+                    f"KV layouts differ: decode {push.compat!r}, prefill {self._compat!r}"
+                )
             info = peer_info_of(push.peer)
             if len(push.blocks) > len(held.blocks):
                 raise PeerProtocolError(
                     f"decode asks for {len(push.blocks)} blocks, request {rid} has "
                     f"{len(held.blocks)}"
                 )
-            deadline_s = min(left, push.deadline_s)
+            deadline_s = min(left, push.expires_at - time.time())
             if deadline_s <= 0:
                 raise TimeoutError(f"request {rid}: the hold or the push deadline has passed")
             if self._peers.get(info.session_id) != info:
@@ -252,21 +303,24 @@ class PrefillSender:
                 self._peers[info.session_id] = info
             src = held.blocks[len(held.blocks) - len(push.blocks) :]
             self._sched.submit(
-                rid,
+                transfer,
                 src,
                 list(push.blocks),
                 peer=info.session_id,
                 deadline_s=deadline_s,
-                release=self._on_release,
+                release=partial(self._on_release, rid, push.load_id),
             )
         except Exception as exc:  # nothing was submitted: the blocks are untouched
-            _log.warning("push_refused", request=rid, error=repr(exc))
-            self._end(rid, "refused", Result(rid, False, type(exc).__name__, truncate(str(exc))))
+            _log.warning("push_refused", request=rid, load=push.load_id, error=repr(exc))
+            with self._lock:
+                self.stats.refused += 1
+            result = Result(rid, push.load_id, False, type(exc).__name__, truncate(str(exc)))
+            self._load_over(rid, push.load_id, result, served=False)
             return
         with self._lock:
             self.stats.pushed += 1
 
-    def _on_release(self, rid: str, fin: Finished) -> None:
+    def _on_release(self, rid: str, load_id: str, _transfer: str, fin: Finished) -> None:
         # kvguard's release thread: terminal AND quiesced.
         ok = fin.state is TransferState.DONE
         reason = "" if fin.reason is None else fin.reason.value
@@ -277,39 +331,85 @@ class PrefillSender:
             else:
                 self.stats.failed += 1
                 self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-        self._end(rid, "done" if ok else f"failed:{reason}", Result(rid, ok, reason, detail))
+        self._load_over(rid, load_id, Result(rid, load_id, ok, reason, detail), served=True)
 
-    def _abort(self, rid: str) -> None:
+    def _load_over(self, rid: str, load_id: str, result: Result, *, served: bool) -> None:
+        """``load_id`` ended and nothing writes its blocks: answer it, and end
+        the hold once no other load is in flight."""
         with self._lock:
-            self._early.pop(rid, None)
             held = self._held.get(rid)
-            if held is None:
+            load = None if held is None else held.loads.pop(load_id, None)
+            if held is None or load is None:
                 return
-            pushed = held.pushed
-        if pushed:
+            self.stats.loads += 1
+            self._outbox.append((load.ident, encode(result)))
+            held.served += served
+            last = not held.loads and (
+                held.served >= held.group or held.deadline <= time.monotonic()
+            )
+        if last:
+            self._end(rid, "done" if result.ok else f"failed:{result.reason}")
+
+    def _abort(self, ident: bytes, rid: str, load_id: str) -> None:
+        """The decode gave up ``load_id``: answered once nothing writes its
+        blocks. With no load id, one decode request will never load ``rid``:
+        the hold ends if no other load of it is in flight or waiting."""
+        if not load_id:
+            with self._lock:
+                held = self._held.get(rid)
+                waiting = any(k[0] == rid for k in self._early) or any(
+                    s[0] == rid for s in self._starts
+                )
+                idle = held is not None and not held.loads and not waiting
+            if idle:
+                with self._lock:
+                    self.stats.aborted += 1
+                self._end(rid, "aborted")
+            return
+        dropped: list[tuple[bytes, Push]] = []
+        with self._lock:
+            early = self._early.pop((rid, load_id), None)
+            if early is not None:
+                dropped.append((early[0], early[1]))
+            keep: deque[tuple[str, bytes, Push]] = deque()
+            for start in self._starts:
+                if (start[0], start[2].load_id) == (rid, load_id):
+                    dropped.append((start[1], start[2]))
+                else:
+                    keep.append(start)
+            self._starts = keep
+            self._aborted[(rid, load_id)] = None
+            while len(self._aborted) > _RECENT:
+                self._aborted.popitem(last=False)
+            held = self._held.get(rid)
+            load = None if held is None else held.loads.get(load_id)
+            idle = held is not None and not held.loads
+        for ident_, push in dropped:
+            self._answer(ident_, push, "aborted", "given up before its push started")
+        if load is not None:  # its release callback answers it
             try:
-                self._sched.abort(rid)  # its release callback ends the hold
-            except Exception as exc:
-                _log.debug("abort_unknown", request=rid, error=repr(exc))
-        else:
+                self._sched.abort(load.transfer)
+            except Exception as exc:  # released meanwhile: answered already
+                _log.debug("abort_unknown", request=rid, load=load_id, error=repr(exc))
+            return
+        if not dropped:  # nothing of this load was ever started here
+            self._reply(ident, Result(rid, load_id, False, "aborted", "no transfer started"))
+        if idle:
             with self._lock:
                 self.stats.aborted += 1
-            self._end(rid, "aborted", None)
+            self._end(rid, "aborted")
 
-    def _end(self, rid: str, how: str, result: Result | None) -> None:
-        """Release ``rid``'s blocks to the engine, once; then tell the decode."""
+    def _end(self, rid: str, how: str) -> None:
+        """Release ``rid``'s blocks to the engine, once."""
         with self._lock:
-            held = self._held.pop(rid, None)
-            if held is None:
-                return
+            held = self._held.get(rid)
+            if held is None or held.loads:
+                return  # gone, or a load in flight: its release ends the hold
+            del self._held[rid]
             self._released.add(rid)
             self._recent[rid] = how
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
-            if how == "refused":
-                self.stats.refused += 1
-            if result is not None and held.ident is not None:
-                self._outbox.append((held.ident, encode(result)))
         _log.debug("hold_released", request=rid, how=how)
 
     def _reply(self, ident: bytes, result: Result) -> None:
@@ -329,20 +429,20 @@ class PrefillSender:
 
     def _expire(self, now: float) -> None:
         expired: list[str] = []
-        late: list[tuple[bytes, str]] = []
+        late: list[tuple[bytes, Push]] = []
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
-                _, rid = heapq.heappop(self._deadlines)
-                early = self._early.get(rid)
+                _, rid, load_id = heapq.heappop(self._deadlines)
+                early = self._early.get((rid, load_id))
                 if early is not None and early[2] <= now:
-                    del self._early[rid]
-                    late.append((early[0], rid))
+                    del self._early[(rid, load_id)]
+                    late.append((early[0], early[1]))
                 held = self._held.get(rid)
-                if held is not None and not held.pushed and held.deadline <= now:
+                if not load_id and held is not None and not held.loads and held.deadline <= now:
                     expired.append(rid)
                     self.stats.expired += 1
         for rid in expired:
             _log.info("hold_expired", request=rid)
-            self._end(rid, "expired", None)
-        for ident, rid in late:
-            self._reply(ident, Result(rid, False, "unknown_request", "never held here"))
+            self._end(rid, "expired")
+        for ident, push in late:
+            self._answer(ident, push, "unknown_request", "never held here")

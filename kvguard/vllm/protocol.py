@@ -3,11 +3,15 @@
 One ZeroMQ frame each, msgpack through msgspec, strictly typed and bounded.
 The decode side's DEALER talks to the prefill side's ROUTER::
 
-    decode -> prefill   Push    push request R's KV into these blocks of mine
-    decode -> prefill   Abort   forget R (the decode gave up or was aborted)
-    prefill -> decode   Result  R is over: ok, or why not; sent only after
-                                kvguard released R's blocks (terminal AND
-                                quiesced), so no write can follow it
+    decode -> prefill   Push    push request R's KV into these blocks of my load L
+    decode -> prefill   Abort   give up load L of R (answered by a Result),
+                                or never load R (not answered)
+    prefill -> decode   Result  load L of R is over: ok, or why not; sent only
+                                once nothing of the prefill writes L's blocks
+                                (kvguard released the transfer: terminal AND
+                                quiesced), or none ever will (never started,
+                                refused, unknown); an aborted load is
+                                remembered, so a push read later is refused
 
 The peer advertisement inside ``Push`` is ``transfer.peer_protocol``'s
 ``PeerMessage``, checked by ``peer_info_of`` like every other peer.
@@ -31,6 +35,7 @@ __all__ = [
     "decode_from_decode",
     "decode_from_prefill",
     "encode",
+    "ids_of",
 ]
 
 MAX_FRAME_BYTES: Final = 2 << 20  # a Push with MAX_LIST_LEN blocks and regions fits
@@ -47,26 +52,54 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
 class Push(_Message, frozen=True, tag="push"):
     """Push the prefill request ``request_id``'s KV into ``blocks`` of ``peer``.
 
-    ``blocks`` are the decode's block ids, in token order; they receive the
-    last ``len(blocks)`` blocks of the prefill's request (a decode-side prefix
-    hit needs fewer). ``deadline_s``: seconds the decode still waits.
+    ``load_id`` names the decode's own request: several decode requests may
+    load one prefill request (n > 1), each with its own blocks, and each is
+    answered by a ``Result`` naming its load, so no load is marked loaded by
+    another's transfer. ``blocks`` are the decode's block ids, in token
+    order; they receive the last ``len(blocks)`` blocks of the prefill's
+    request (a decode-side prefix hit needs fewer). ``expires_at`` is wall
+    clock (``time.time()``): the prefill starts nothing for this push after
+    it, however late the push is read (a frozen prefill reads it on thaw).
+    ``compat`` is the decode's KV layout fingerprint; the prefill refuses a
+    push whose layout is not its own.
     """
 
     request_id: _RequestId
+    load_id: _RequestId
     blocks: Annotated[list[_BlockId], msgspec.Meta(max_length=MAX_LIST_LEN)]
     peer: PeerMessage
-    deadline_s: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+    expires_at: Annotated[float, msgspec.Meta(gt=0)]
+    compat: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # Loads of ``request_id`` this decode asked for together (its n > 1
+    # children scheduled in one step): the hold waits for all of them.
+    group: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST_LEN)] = 1
 
 
 class Abort(_Message, frozen=True, tag="abort"):
+    """The decode gave up ``load_id`` of ``request_id`` (answered by a
+    ``Result`` once nothing writes its blocks), or with ``load_id`` empty,
+    will never load ``request_id`` (not answered)."""
+
     request_id: _RequestId
+    load_id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
 
 
 class Result(_Message, frozen=True, tag="result"):
+    """``load_id`` of ``request_id`` is over and nothing of the prefill's
+    writes its blocks any more: ``ok``, or why not."""
+
     request_id: _RequestId
+    load_id: _RequestId
     ok: bool
     reason: Annotated[str, msgspec.Meta(max_length=64)] = ""
     detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class _Ids(msgspec.Struct, frozen=True):
+    """What a reply needs from a message that failed validation."""
+
+    request_id: _RequestId
+    load_id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
 
 
 DecodeMessage = Push | Abort
@@ -74,6 +107,7 @@ DecodeMessage = Push | Abort
 _encoder: Final = msgspec.msgpack.Encoder()
 _from_decode: Final = msgspec.msgpack.Decoder(DecodeMessage)
 _from_prefill: Final = msgspec.msgpack.Decoder(Result)
+_ids: Final = msgspec.msgpack.Decoder(_Ids)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -92,6 +126,19 @@ def decode_from_decode(raw: bytes) -> Push | Abort:
         return _from_decode.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PeerProtocolError(f"bad message from decode: {exc}") from exc
+
+
+def ids_of(raw: bytes) -> tuple[str, str] | None:
+    """(request id, load id) of a message that failed ``decode_from_decode``,
+    when they parse, so the prefill can answer the load instead of leaving
+    the decode to wait out its deadline."""
+    if len(raw) > MAX_FRAME_BYTES:
+        return None
+    try:
+        ids = _ids.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return (ids.request_id, ids.load_id) if ids.load_id else None
 
 
 def decode_from_prefill(raw: bytes) -> Result:
