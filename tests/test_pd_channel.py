@@ -373,3 +373,27 @@ def test_a_push_failing_validation_is_answered_when_its_ids_parse(pair: Pair) ->
         assert "bad message from decode" in res.detail
     finally:
         sock.close()
+
+
+def test_a_renewed_hold_outlives_its_deadline_up_to_the_cap_only() -> None:
+    """A decode whose request queues renews the prefill's hold; renewals
+    never pin the blocks past the prefill's own cap."""
+    p = Pair()
+    p.sender.close(timeout=2.0)
+    p.sender = PrefillSender(p.backend, p.src, "tcp://127.0.0.1:0", renew_s=1.0, max_hold_s=2.0)
+    try:
+        t0 = time.monotonic()
+        p.sender.hold("r1", [1], t0 + 0.3)
+        while time.monotonic() - t0 < 1.6:  # renewed every 0.2 s, past the 0.3 s deadline
+            p.receiver.renew(p.sender.endpoint, "r1")
+            time.sleep(0.2)
+            p.poll()
+            assert "r1" not in p.released, f"released at {time.monotonic() - t0:.2f}s"
+        p.until(lambda: "r1" in p.released)  # the cap ends it though renewals go on
+        assert p.sender.stats.renewed >= 3 and p.sender.stats.expired == 1
+        p.receiver.expect("d1", p.sender.endpoint, "r1", [2], time.monotonic() + 5)
+        p.until(lambda: "d1" in p.outcomes)
+        out = p.outcomes["d1"]
+        assert (out.ok, out.reason, out.detail) == (False, "unknown_request", "request expired")
+    finally:
+        p.close()

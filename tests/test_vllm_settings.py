@@ -99,3 +99,47 @@ def test_rdma_reaches_the_engine_unforced() -> None:
     assert "for protocol: rdma" in log
     assert "Auto-discovering topology" in log
     assert "MC_FORCE_TCP is set" not in log
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"kvguard_deadline_s": 0},
+            "kvguard_deadline_s must be > 0 and <= kvguard_max_deadline_s (60.0), got 0.0",
+        ),
+        (
+            {"kvguard_deadline_s": 90},
+            "kvguard_deadline_s must be > 0 and <= kvguard_max_deadline_s (60.0), got 90.0",
+        ),
+        (
+            {"kvguard_hold_s": 400},
+            "kvguard_hold_s must be > 0 and <= kvguard_max_hold_s (300.0), got 400.0",
+        ),
+        ({"kvguard_cpus": "2-1"}, "kvguard_cpus: bad CPU list '2-1': range '2-1' is empty"),
+    ],
+)
+def test_bad_deadline_hold_and_cpu_settings_name_the_value(
+    extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        _Settings.of(extra)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("asked", "used"),
+    [(5, 5.0), ("7.5", 7.5), (600, 20.0), (0, 10.0), (-3, 10.0), ("soon", 10.0), (None, 10.0)],
+)
+def test_a_clients_deadline_is_capped_by_the_server_and_junk_gets_the_default(
+    asked: object, used: float
+) -> None:
+    """A client's kvguard_deadline_s pins blocks on both engines: the server's
+    cap bounds it; what is not a number > 0 gets the server's default."""
+    from types import SimpleNamespace
+
+    from kvguard.vllm.connector import KVGuardConnector
+
+    settings = _Settings.of({"kvguard_max_deadline_s": 20})
+    me = SimpleNamespace(settings=settings)
+    assert KVGuardConnector._deadline_s(me, {"kvguard_deadline_s": asked}) == used  # type: ignore[arg-type]

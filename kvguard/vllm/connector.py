@@ -73,6 +73,7 @@ _log = structlog.get_logger("kvguard.vllm")
 P_ENDPOINT = "kvguard_endpoint"
 P_REQUEST = "kvguard_request_id"
 P_DEADLINE = "kvguard_deadline_s"
+P_HOLD = "kvguard_hold_s"
 _RECENT = 4096
 _PROTOCOLS = ("tcp", "rdma")  # what kvguard's backend is built and documented for
 
@@ -83,6 +84,10 @@ class _Settings:
     control_port: int = 17600  # prefill only: where decodes connect
     deadline_s: float = 10.0  # per request unless kv_transfer_params say otherwise
     max_deadline_s: float = 60.0  # the most a client's kvguard_deadline_s may ask for
+    # prefill: how long finished blocks wait for a decode to ask, renewed by a
+    # decode whose request queues, never past max_hold_s in all.
+    hold_s: float = 30.0
+    max_hold_s: float = 300.0
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
     # prefill: kvguard transfers in flight at once; 0 follows the engine's own
@@ -120,6 +125,11 @@ class _Settings:
             raise ValueError(f"kvguard_max_inflight must be >= 0, got {s.max_inflight}")
         if s.protocol not in _PROTOCOLS:
             raise ValueError(f"kvguard_protocol must be one of {_PROTOCOLS}, got {s.protocol!r}")
+        if not 0 < s.hold_s <= s.max_hold_s:
+            raise ValueError(
+                f"kvguard_hold_s must be > 0 and <= kvguard_max_hold_s ({s.max_hold_s}), "
+                f"got {s.hold_s}"
+            )
         try:
             parse_cpus(s.cpus)
         except ValueError as exc:
@@ -147,6 +157,8 @@ class KVGuardMetadata(KVConnectorMetadata):
     forgets: list[tuple[str, str]] = field(default_factory=list)
     # decode: request ids aborted while their load runs
     cancels: list[str] = field(default_factory=list)
+    # decode: (prefill endpoint, prefill request id) still queued here: keep it held
+    renews: list[tuple[str, str]] = field(default_factory=list)
 
 
 class KVGuardConnector(KVConnectorBase_V1):
@@ -173,6 +185,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._meta = KVGuardMetadata()
         self._loading: set[str] = set()  # decode: requests whose load was handed to the worker
+        # decode: requests seen waiting for blocks, not yet allocated:
+        # id -> (endpoint, prefill id, renew interval, next renewal as time.monotonic())
+        self._queued: dict[str, tuple[str, str, float, float]] = {}
         # decode: tokens loaded, for the last _RECENT requests (inspection, tests)
         self.external_tokens: OrderedDict[str, int] = OrderedDict()
         # Worker side.
@@ -210,9 +225,20 @@ class KVGuardConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.is_producer or not self._wants_load(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if self.is_producer or not self._wants_load(params):
             return 0, False
+        assert params is not None
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0 and request.request_id not in self._queued:
+            # Asked again each step it cannot get blocks: renew its hold meanwhile.
+            try:
+                every = float(params.get(P_HOLD, self.settings.hold_s)) / 3
+            except (TypeError, ValueError):
+                every = self.settings.hold_s / 3
+            every = max(every, 0.1)
+            due = time.monotonic() + every
+            self._queued[request.request_id] = (params[P_ENDPOINT], params[P_REQUEST], every, due)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -223,6 +249,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             return
         assert params is not None
         params["do_remote_prefill"] = False  # one load per request
+        self._queued.pop(request.request_id, None)
         endpoint, remote = params[P_ENDPOINT], params[P_REQUEST]
         if num_external_tokens <= 0:
             self._meta.forgets.append((endpoint, remote))
@@ -237,6 +264,11 @@ class KVGuardConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVGuardMetadata()
+        now = time.monotonic()
+        for rid, (endpoint, remote, every, due) in self._queued.items():
+            if due <= now:
+                meta.renews.append((endpoint, remote))
+                self._queued[rid] = (endpoint, remote, every, now + every)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -247,6 +279,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        self._queued.pop(request.request_id, None)
         if not params:
             return False, None
         if not self.is_producer:
@@ -264,13 +297,15 @@ class KVGuardConnector(KVConnectorBase_V1):
             return False, None  # aborted or errored: nothing to hand off
         deadline_s = self._deadline_s(params)
         rid = request.request_id
-        self._meta.holds.append((rid, list(block_ids), time.monotonic() + deadline_s))
+        hold_s = self.settings.hold_s
+        self._meta.holds.append((rid, list(block_ids), time.monotonic() + hold_s))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             P_ENDPOINT: self.endpoint,
             P_REQUEST: rid,
             P_DEADLINE: deadline_s,
+            P_HOLD: hold_s,
         }
 
     # ==== worker side =========================================================
@@ -334,6 +369,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 workers=s.inflight(),
                 retry=RetryPolicy(max_attempts=s.max_attempts),
                 compat=self.compat,
+                renew_s=s.hold_s,
+                max_hold_s=s.max_hold_s,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
@@ -370,6 +407,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 self.receiver.forget(endpoint, remote)
             for rid in meta.cancels:
                 self.receiver.cancel(rid)
+            for endpoint, remote in meta.renews:
+                self.receiver.renew(endpoint, remote)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # started in bind_connector_metadata, before the forward

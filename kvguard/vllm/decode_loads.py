@@ -43,7 +43,7 @@ from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
-from .protocol import MAX_FRAME_BYTES, Abort, Push, Result, decode_from_prefill, encode
+from .protocol import MAX_FRAME_BYTES, Abort, Push, Renew, Result, decode_from_prefill, encode
 
 __all__ = ["DecodeReceiver", "LoadOutcome"]
 
@@ -160,6 +160,10 @@ class DecodeReceiver:
         blocks may be written to until then)."""
         self._inbox.put(("cancel", (request_id,)))
 
+    def renew(self, endpoint: str, remote_id: str) -> None:
+        """A request that will load ``remote_id`` still queues: keep it held."""
+        self._inbox.put(("renew", (endpoint, remote_id)))
+
     def forget(self, endpoint: str, remote_id: str) -> None:
         """Tell a prefill its request will never be asked for (free it now)."""
         self._inbox.put(("forget", (endpoint, remote_id)))
@@ -271,14 +275,15 @@ class DecodeReceiver:
             if wait is not None and not wait.cancelled and not wait.reported:
                 wait.cancelled = True
                 self._abort(poller, rid, wait)
-        elif kind == "forget":
+        elif kind in ("forget", "renew"):
             endpoint, remote_id = args
             assert isinstance(endpoint, str) and isinstance(remote_id, str)
             try:
                 url = endpoint_of(endpoint)
             except ValueError:
                 return
-            self._send(self._link(poller, url), encode(Abort(remote_id)))
+            msg = Abort(remote_id) if kind == "forget" else Renew(remote_id)
+            self._send(self._link(poller, url), encode(msg))
 
     def _abort(self, poller: zmq.Poller, rid: str, wait: _Wait) -> None:
         link = self._links.get(wait.endpoint)

@@ -58,6 +58,7 @@ from .protocol import (
     MAX_FRAME_BYTES,
     Abort,
     Push,
+    Renew,
     Result,
     decode_from_decode,
     encode,
@@ -89,6 +90,7 @@ class _Load:
 class _Held:
     blocks: list[int]
     deadline: float  # time.monotonic(); the hold ends then unless a load is in flight
+    last: float  # the latest a renewal may push ``deadline`` to (time.monotonic())
     loads: dict[str, _Load] = field(default_factory=dict)  # load id -> in flight
     served: int = 0  # loads answered after a transfer ran
     group: int = 1  # loads the decode asked for together; the hold waits for as many
@@ -104,6 +106,7 @@ class SenderStats:
     aborted: int = 0  # the decode said it would not ask
     refused: int = 0  # a push that could not be submitted
     loads: int = 0  # loads answered (a request serves one per decode child)
+    renewed: int = 0  # holds extended by a decode whose request queues
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -122,10 +125,17 @@ class PrefillSender:
         workers: int = 4,
         retry: RetryPolicy | None = None,
         compat: str = "",
+        renew_s: float = 30.0,
+        max_hold_s: float = 300.0,
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
         faults); ``peer_backends`` also learn each decode's regions. ``compat``:
-        this side's KV layout fingerprint; a push with another is refused."""
+        this side's KV layout fingerprint; a push with another is refused. A
+        decode's ``Renew`` extends a hold to ``renew_s`` from then, and never
+        past ``max_hold_s`` after the hold began (blocks pinned by a decode
+        that queues them)."""
+        self._renew_s = renew_s
+        self._max_hold_s = max_hold_s
         self._peer_backends = tuple(peer_backends)
         self._backend = backend
         self._compat = compat
@@ -177,7 +187,8 @@ class PrefillSender:
             if request_id in self._held or request_id in self._recent:
                 _log.warning("hold_duplicate", request=request_id)
                 return
-            self._held[request_id] = _Held(list(blocks), deadline)
+            now = time.monotonic()
+            self._held[request_id] = _Held(list(blocks), deadline, now + self._max_hold_s)
             heapq.heappush(self._deadlines, (deadline, request_id, ""))
             self.stats.held += 1
             for key in [k for k in self._early if k[0] == request_id]:
@@ -242,6 +253,9 @@ class PrefillSender:
         if isinstance(msg, Abort):
             self._abort(ident, msg.request_id, msg.load_id)
             return
+        if isinstance(msg, Renew):
+            self._renew(msg.request_id)
+            return
         rid, key = msg.request_id, (msg.request_id, msg.load_id)
         with self._lock:
             held = self._held.get(rid)
@@ -264,6 +278,17 @@ class PrefillSender:
             _log.warning("push_duplicate", request=rid, load=msg.load_id)
         else:
             self._start(rid, ident, msg)
+
+    def _renew(self, rid: str) -> None:
+        with self._lock:
+            held = self._held.get(rid)
+            if held is None:
+                return  # ended: the decode's push will hear why
+            until = min(time.monotonic() + self._renew_s, held.last)
+            if until > held.deadline:
+                held.deadline = until
+                heapq.heappush(self._deadlines, (until, rid, ""))
+                self.stats.renewed += 1
 
     def _answer(self, ident: bytes, push: Push, reason: str, detail: str) -> None:
         """A push that started nothing: nothing of ours writes its blocks."""

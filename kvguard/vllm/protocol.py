@@ -6,6 +6,8 @@ The decode side's DEALER talks to the prefill side's ROUTER::
     decode -> prefill   Push    push request R's KV into these blocks of my load L
     decode -> prefill   Abort   give up load L of R (answered by a Result),
                                 or never load R (not answered)
+    decode -> prefill   Renew   a request that will load R still queues here:
+                                keep holding R (not answered)
     prefill -> decode   Result  load L of R is over: ok, or why not; sent only
                                 once nothing of the prefill writes L's blocks
                                 (kvguard released the transfer: terminal AND
@@ -31,6 +33,7 @@ __all__ = [
     "Abort",
     "DecodeMessage",
     "Push",
+    "Renew",
     "Result",
     "decode_from_decode",
     "decode_from_prefill",
@@ -84,6 +87,13 @@ class Abort(_Message, frozen=True, tag="abort"):
     load_id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
 
 
+class Renew(_Message, frozen=True, tag="renew"):
+    """A decode request that will load ``request_id`` still waits in the
+    decode's queue: keep holding it (up to the prefill's own cap). Not answered."""
+
+    request_id: _RequestId
+
+
 class Result(_Message, frozen=True, tag="result"):
     """``load_id`` of ``request_id`` is over and nothing of the prefill's
     writes its blocks any more: ``ok``, or why not."""
@@ -102,7 +112,7 @@ class _Ids(msgspec.Struct, frozen=True):
     load_id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
 
 
-DecodeMessage = Push | Abort
+DecodeMessage = Push | Abort | Renew
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _from_decode: Final = msgspec.msgpack.Decoder(DecodeMessage)
@@ -119,7 +129,7 @@ def _check(raw: bytes) -> None:
         raise PeerProtocolError(f"frame of {len(raw)} bytes, limit {MAX_FRAME_BYTES}")
 
 
-def decode_from_decode(raw: bytes) -> Push | Abort:
+def decode_from_decode(raw: bytes) -> Push | Abort | Renew:
     """Parse what a decode side sent; PeerProtocolError names what is wrong."""
     _check(raw)
     try:
