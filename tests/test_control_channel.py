@@ -45,6 +45,9 @@ from transfer.peer_protocol import (
 )
 
 SID = "10.0.0.2:15000"
+# A hang guard, not a speed figure: how long past its own deadline a call may
+# come back on a loaded 2-core machine (how fast is `kvguard bench`'s).
+HANG_S = 10.0
 
 
 def _bare_receiver(layout: KVLayout) -> Any:
@@ -126,10 +129,8 @@ def test_an_oversized_request_frame_is_dropped_unread_and_the_service_goes_on(
     _, s = served
     client = DecodeClient(s.endpoint, timeout_s=5.0)
     try:
-        start = time.monotonic()
         with pytest.raises(ServiceTimeout, match=r"no reply from ipc://.* within 0\.5s"):
             client.call_raw(b"x" * (MAX_REQUEST_BYTES + 1), timeout=0.5)
-        assert time.monotonic() - start < 1.5
         assert client.ping() > 0
     finally:
         client.close()
@@ -255,7 +256,7 @@ def test_replies_are_matched_by_id_and_checked(
             start = time.monotonic()
             with pytest.raises(ServiceTimeout) as info:
                 client.ping()
-            assert 0.5 <= time.monotonic() - start < 1.5
+            assert 0.5 <= time.monotonic() - start < 0.5 + HANG_S  # at its deadline
             assert isinstance(info.value, TimeoutError)
             assert info.value.reason.name == "TIMEOUT"
         else:
@@ -271,9 +272,9 @@ def test_a_dead_service_is_a_timeout_not_a_hang(tmp_path: Path) -> None:
     try:
         for _ in range(3):  # and again: the socket is reopened each time
             start = time.monotonic()
-            with pytest.raises(ServiceTimeout):
+            with pytest.raises(ServiceTimeout, match=r"no reply from ipc://.* within 0\.3s"):
                 client.request(b"anything")
-            assert time.monotonic() - start < 1.0
+            assert 0.3 <= time.monotonic() - start < 0.3 + HANG_S  # at its deadline
     finally:
         client.close()
     with pytest.raises(PeerProtocolError, match="closed"):
@@ -286,11 +287,9 @@ def test_a_liveness_check_ends_the_wait_early(tmp_path: Path) -> None:
     def gone() -> None:
         raise PeerProtocolError("the child exited")
 
-    try:
-        start = time.monotonic()
+    try:  # only the check raises this: it, not the 30 s deadline, ended the wait
         with pytest.raises(PeerProtocolError, match="the child exited"):
             client.request(b"anything", alive=gone)
-        assert time.monotonic() - start < 0.5
     finally:
         client.close()
 
@@ -397,7 +396,8 @@ def test_run_against_nothing_fails_typed_within_its_deadline(tmp_path: Path) -> 
     start = time.monotonic()
     code = main(["run", "--decode", f"ipc://{tmp_path}/nobody", "--requests", "1", "--no-progress"])
     assert code == 2
-    assert time.monotonic() - start < 20.0
+    # Its 10 s connect deadline plus the hang guard: it never waits for a reply forever.
+    assert time.monotonic() - start < 10.0 + HANG_S
 
 
 def test_decode_on_a_wildcard_address_needs_the_address_peers_use() -> None:

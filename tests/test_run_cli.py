@@ -153,9 +153,8 @@ def test_mooncake_kill_decode_fails_the_rest_with_peer_lost(tmp_path: Path) -> N
     assert s["non_terminal"] == 0
     assert s["done"] >= 20
     assert s["by_reason"].get("PEER_LOST", 0) > 0, s
-    # Dead-peer detection is fast: nobody waited for the 10 s deadline.
+    # Dead-peer detection, not the 10 s deadline, ended the rest: no TIMEOUT.
     assert "TIMEOUT" not in s["by_reason"], s
-    assert s["wall_s"] < 10, s
 
 
 @pytest.mark.mooncake
@@ -168,8 +167,10 @@ def test_mooncake_freeze_decode_times_out_at_the_deadline(tmp_path: Path) -> Non
     assert s["non_terminal"] == 0
     assert s["done"] >= 10
     assert s["by_reason"].get("TIMEOUT", 0) > 0, s
-    # Requests that timed out did so at their 1 s deadline, not the engine's.
-    assert s["p99_ms"] < 1000 + 500, s
+    # Requests that timed out did so at their 1 s deadline: never before it,
+    # and not at the engine's own 5 s timeout (the margin is a hang guard for
+    # a loaded machine; how fast is `kvguard bench`'s).
+    assert 1000 <= s["p99_ms"] < 5000, s
 
 
 def test_unanswered_verification_while_decode_alive_fails_the_job(

@@ -49,6 +49,7 @@ from transfer import (
     KVLayout,
     LocalBackend,
     PeerInfo,
+    PeerLost,
     RemoteRangeRejected,
     TransferBackend,
     TransferCancelled,
@@ -61,8 +62,14 @@ from transfer import (
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, block_bytes=64)
 PEER = "decode-0"
 LONG = 10.0  # deadline of requests that must not time out
-TOL = 0.3  # timing tolerance: the machine is small and shared
-WAIT = 5.0  # bound on anything that should happen promptly
+# A hang guard, not a speed figure: how long past its own deadline a waiter may
+# come back on a loaded 2-core machine. It still ends a wait held to the LONG
+# deadline, to a 30 s blocker or forever; the speed is `kvguard bench`'s.
+HANG_S = 5.0
+# A hang guard on anything that should happen promptly, waited out only when
+# it does not: under load, a raising callback's logged traceback alone can take
+# seconds to render.
+WAIT = 30.0
 
 HANG, ERR, RAISE, LOSE, NONE = (
     FaultKind.HANG,
@@ -333,9 +340,8 @@ def test_wait_and_wait_async_return_terminal_states(make_rig: MakeRig) -> None:
         rig.submit("hung", [2], [2])
         assert wait_until(lambda: state_of(rig, "hung") is _S.TRANSFERRING)
         # A timeout shorter than the deadline returns the live state, promptly.
-        t0 = time.monotonic()
+        # (the live state: it came back before the request's deadline ended it).
         assert rig.sched.wait("hung", timeout=0.1) is _S.TRANSFERRING
-        assert time.monotonic() - t0 < 0.1 + TOL
         threading.Timer(0.1, rig.sched.abort, args=("hung",)).start()
         assert rig.sched.wait("hung") is _S.FAILED
 
@@ -362,13 +368,14 @@ def test_wait_never_outlives_the_deadline_of_a_hung_request(make_rig: MakeRig) -
     rig.submit("h1", [0], [0], deadline_s=0.4)
     rig.submit("h2", [1], [1], deadline_s=0.4)
     assert rig.sched.wait("h1") is _S.FAILED
-    assert time.monotonic() - t0 < 0.4 + TOL
+    assert time.monotonic() - t0 < 0.4 + HANG_S
+    assert rig.sched.get("h1").reason is FailureReason.TIMEOUT
 
     async def later() -> TransferState:
         return await rig.sched.wait_async("h2")
 
     assert asyncio.run(later()) is _S.FAILED
-    assert time.monotonic() - t0 < 0.4 + TOL
+    assert time.monotonic() - t0 < 0.4 + HANG_S
     assert rig.sched.get("h2").reason is FailureReason.TIMEOUT
 
 
@@ -648,7 +655,9 @@ def test_backoff_never_outlives_the_deadline(make_rig: MakeRig) -> None:
     lc = rig.submit("r", [0], [0], deadline_s=0.3)
     assert lc.wait(WAIT) is _S.FAILED
     assert lc.reason is FailureReason.TIMEOUT
-    assert time.monotonic() - t0 < 0.3 + TOL
+    assert lc.attempt == 1  # the deadline ended the 5 s backoff: no second attempt
+    assert len(rig.backend.ops_of("r")) == 1
+    assert time.monotonic() - t0 < 5.0  # before the backoff would have ended
 
 
 def test_a_crashing_backend_submit_fails_the_request_and_spares_the_scheduler(
@@ -675,11 +684,11 @@ def test_hang_times_out_at_the_deadline_and_stays_quarantined_until_release(
     lc = rig.submit("r", [0, 1], [2, 3], deadline_s=0.5)
     assert rig.sched.wait("r") is _S.FAILED
     took = time.monotonic() - t0
-    assert 0.5 - 0.05 <= took <= 0.5 + TOL, took
+    assert 0.5 - 0.05 <= took <= 0.5 + HANG_S, took  # never before its deadline
     assert lc.reason is FailureReason.TIMEOUT
     [fin] = poll_until(rig, 1)
     assert fin.reason is FailureReason.TIMEOUT
-    assert 0.5 - 0.05 <= fin.latency_s <= 0.5 + TOL
+    assert 0.5 - 0.05 <= fin.latency_s <= 0.5 + HANG_S
     # Terminal, but the hung call may still write: quarantined, not released (I6).
     time.sleep(0.3)
     assert rig.released("r") == 0
@@ -703,11 +712,11 @@ def test_pending_requests_have_deadlines_too(make_rig: MakeRig) -> None:
     rig = make_rig([HANG], workers=1)
     rig.submit("blocker", [0], [0])
     assert wait_until(lambda: state_of(rig, "blocker") is _S.TRANSFERRING)
-    t0 = time.monotonic()
     lc = rig.submit("queued", [1], [1], deadline_s=0.3)
-    assert lc.wait(WAIT) is _S.FAILED
-    assert time.monotonic() - t0 <= 0.3 + TOL
+    assert lc.wait(WAIT) is _S.FAILED  # while the blocker still holds the only worker
     assert lc.reason is FailureReason.TIMEOUT and lc.attempt == 0
+    assert state_of(rig, "blocker") is _S.TRANSFERRING
+    assert rig.backend.ops_of("queued") == []  # never sent
     assert rig.wait_released("queued")
     rig.sched.abort("blocker")
 
@@ -724,9 +733,9 @@ def test_many_deadlines_fire_in_deadline_order_not_submit_order(make_rig: MakeRi
     assert len(got) == 6
     for rid, dl in deadlines.items():
         assert got[rid].reason is FailureReason.TIMEOUT
-        assert dl - 0.05 <= got[rid].latency_s <= dl + TOL, (rid, got[rid].latency_s)
+        assert dl - 0.05 <= got[rid].latency_s <= dl + HANG_S, (rid, got[rid].latency_s)
     assert order == sorted(deadlines, key=deadlines.__getitem__)
-    assert time.monotonic() - t0 < 1.2 + TOL + 0.5
+    assert time.monotonic() - t0 < 1.2 + HANG_S
 
 
 # -- peer liveness -----------------------------------------------------------------------------
@@ -736,27 +745,25 @@ def test_lost_peer_found_by_probe_fails_every_in_flight_request_at_once(make_rig
     rig = make_rig([HANG, HANG, HANG], probe_interval_s=0.05)
     lcs = [rig.submit(f"r{i}", [i], [i]) for i in range(3)]
     assert wait_until(lambda: all(lc.state is _S.TRANSFERRING for lc in lcs))
-    lost_at = time.monotonic()
     rig.faults.lose_peer(PEER)
     got = poll_until(rig, 3)
+    # PEER_LOST, not TIMEOUT: the probe ended them, not their 10 s deadline,
+    # and on one notice of the loss.
     assert [f.reason for f in got] == [FailureReason.PEER_LOST] * 3, got
-    ends = [next(h.at for h in lc.history if h.dest in TERMINAL) for lc in lcs]
-    assert max(ends) - lost_at < 0.05 + TOL  # the probe interval, not the 10 s deadline
-    assert max(ends) - min(ends) < 0.1  # one notice, not one deadline at a time
+    assert all(isinstance(lc.error, PeerLost) for lc in lcs), [lc.error for lc in lcs]
+    assert all("probe failed" in str(lc.error) for lc in lcs), [lc.error for lc in lcs]
     assert rig.sched.peer_alive(PEER) is False
     assert rig.sched.metrics().peers_lost == 1
 
     # New submits fail fast, typed, and are reported like any outcome.
-    t0 = time.monotonic()
-    lc = rig.submit("new", [5], [5])
+    lc = rig.submit("new", [5], [5])  # already failed when submit returns
     assert lc.state is _S.FAILED and lc.reason is FailureReason.PEER_LOST
-    assert time.monotonic() - t0 < 0.1
     assert [f.request_id for f in poll_until(rig, 1)] == ["new"]
     assert rig.backend.ops_of("new") == []
 
     # Back again: the prober notices, new submits go through.
     rig.faults.restore_peer(PEER)
-    assert wait_until(lambda: rig.sched.peer_alive(PEER), 2.0)
+    assert wait_until(lambda: rig.sched.peer_alive(PEER))
     again = rig.submit("again", [6, 7], [16, 17])
     assert again.wait(WAIT) is _S.DONE
     assert rig.intact([6, 7], [16, 17]) == []
@@ -771,14 +778,12 @@ def test_lost_peer_found_by_a_transfer_error_fails_the_others_at_once(make_rig: 
     rig = make_rig([HANG, HANG, LOSE], probe_interval_s=60.0)  # no prober help
     pending = [rig.submit(f"r{i}", [i], [i]) for i in range(2)]
     assert wait_until(lambda: all(lc.state is _S.TRANSFERRING for lc in pending))
-    t0 = time.monotonic()
     trigger = rig.submit("trigger", [2], [2])
     assert trigger.wait(WAIT) is _S.FAILED
     assert trigger.reason is FailureReason.PEER_LOST
     assert trigger.attempt == 1  # a lost peer is not retried
-    for lc in pending:
-        assert lc.wait(1.0) is _S.FAILED and lc.reason is FailureReason.PEER_LOST
-    assert time.monotonic() - t0 < TOL
+    for lc in pending:  # PEER_LOST, not their 10 s deadline's TIMEOUT
+        assert lc.wait(WAIT) is _S.FAILED and lc.reason is FailureReason.PEER_LOST
     assert rig.sched.peer_alive(PEER) is False
     assert rig.submit("late", [3], [3]).reason is FailureReason.PEER_LOST
     rig.check_i6()
@@ -945,7 +950,7 @@ def test_drain_waits_for_every_release(make_rig: MakeRig) -> None:
         rig.submit(f"r{i}", [i], [i])
     t0 = time.monotonic()
     assert rig.sched.drain(timeout=0.2) is False  # the hung one is live
-    assert 0.2 <= time.monotonic() - t0 < 0.2 + TOL
+    assert 0.2 <= time.monotonic() - t0 < 0.2 + HANG_S  # its timeout, not the hung one
     rig.sched.abort("hung")
     assert rig.sched.drain(timeout=0.2) is False  # terminal, still quarantined
     rig.faults.release_hangs()
@@ -964,7 +969,7 @@ def test_close_fails_live_requests_with_shutdown_and_returns(make_rig: MakeRig) 
     t0 = time.monotonic()
     assert rig.sched.close(timeout=0.3) is False  # the hung call never quiesced
     rig.close_timeout = 0.1  # its release thread is gone: the hung one stays
-    assert time.monotonic() - t0 < 0.3 + 1.0
+    assert time.monotonic() - t0 < 0.3 + HANG_S
     for lc in (hung, *queued):
         assert lc.state is _S.FAILED and lc.reason is FailureReason.SHUTDOWN
     assert sorted(f.request_id for f in rig.sched.poll()) == ["hung", "q1", "q2"]
@@ -1057,19 +1062,22 @@ class _Stale:
 
 
 def test_a_slow_done_callback_delays_no_other_deadline(make_rig: MakeRig) -> None:
-    """A's done-callback blocks for 2 s when A times out; B's 0.3 s deadline
-    still fires on time, and wait(B) returns FAILED, not PENDING (I4)."""
+    """A's done-callback blocks for 30 s when A times out; B's 0.3 s deadline
+    still fires, and wait(B) returns FAILED, not PENDING (I4)."""
     rig = make_rig([HANG, HANG], workers=1)
     gate = threading.Event()
     a = rig.submit("a", [0], [0], deadline_s=0.2)
-    a.add_done_callback(lambda _lc: gate.wait(2.0))
-    t0 = time.monotonic()
-    rig.submit("b", [1], [1], deadline_s=0.3)  # queued behind a: PENDING
-    assert rig.sched.wait("b") is _S.FAILED
-    took = time.monotonic() - t0
-    assert took < 0.3 + TOL, took
-    assert rig.sched.get("b").reason is FailureReason.TIMEOUT
-    gate.set()
+    a.add_done_callback(lambda _lc: gate.wait(30.0))
+    try:
+        t0 = time.monotonic()
+        rig.submit("b", [1], [1], deadline_s=0.3)  # queued behind a: PENDING
+        assert rig.sched.wait("b") is _S.FAILED
+        took = time.monotonic() - t0
+        assert took < 0.3 + HANG_S, took  # not behind the 30 s callback
+        assert rig.sched.get("b").reason is FailureReason.TIMEOUT
+        assert not gate.is_set()  # A's callback was still blocking then
+    finally:
+        gate.set()
 
 
 @pytest.mark.parametrize("where", ["observer", "release", "done_callback"])
@@ -1113,7 +1121,7 @@ def test_a_blocking_callback_is_given_up_on_and_the_rest_go_on(rig: Rig) -> None
     assert started.wait(WAIT)  # the callback thread is now blocked in it
     for i in range(1, 4):
         rig.submit(f"r{i}", [i], [i], release=lambda rid, fin: released.append(rid))
-    assert wait_until(lambda: len(released) == 3, 3.0), released
+    assert wait_until(lambda: len(released) == 3), released
     m = rig.sched.metrics()
     assert m.callbacks_stalled >= 1 and m.driver_alive
     assert rig.released("stuck") == 0  # its callback is still running
@@ -1220,7 +1228,7 @@ def test_close_from_a_callback_returns_without_joining_itself(make_rig: MakeRig)
     def close_here(rid: str, fin: Finished) -> None:
         t0 = time.monotonic()
         try:
-            results.append(own.sched.close(timeout=2.0))
+            results.append(own.sched.close(timeout=60.0))
         except BaseException as exc:
             results.append(exc)
         results.append(time.monotonic() - t0)
@@ -1229,7 +1237,8 @@ def test_close_from_a_callback_returns_without_joining_itself(make_rig: MakeRig)
     own.submit("r", [0], [0])
     assert wait_until(lambda: len(results) == 2)
     assert not isinstance(results[0], BaseException), results
-    assert isinstance(results[1], float) and results[1] < 1.5, results
+    # Joining itself would hold it for the whole 60 s timeout.
+    assert isinstance(results[1], float) and results[1] < 60.0, results
 
 
 def test_memory_follows_live_requests_not_traffic(rig: Rig) -> None:

@@ -42,7 +42,10 @@ pytestmark = [pytest.mark.mooncake, requires_mooncake]
 LAYOUT = KVLayout(num_layers=2, num_blocks=256, block_bytes=4096)
 # For the kill test: larger plans, so some are in flight when the peer dies.
 BIG = KVLayout(num_layers=1, num_blocks=4096, block_bytes=4096)
-TOL = 0.3
+# A hang guard, not a speed figure: how long past the moment it is due an
+# outcome may come on a loaded 2-core machine; each bound it sets stays below
+# the slower path it rules out (the speeds are `kvguard bench`'s).
+HANG_S = 5.0
 WAIT = 30.0
 
 
@@ -267,15 +270,16 @@ def test_killed_decode_fails_in_flight_requests_peer_lost_at_once(
         assert {lc.reason for lc in lost} == {FailureReason.PEER_LOST}
         # Some were inside an engine call when the peer died, not only queued.
         assert any(rig.backend.ops[lc.request_id] for lc in lost)
-        # Found dead in milliseconds and failed together, not at the 20 s deadline.
+        # Found dead and failed together, not at the 20 s deadline (PEER_LOST,
+        # not TIMEOUT, above), and on one notice of the loss.
         last = max(terminal_at(lc) for lc in lost)
-        assert last - killed[0] < 1.0 + TOL, f"last PEER_LOST {last - killed[0]:.2f}s after kill"
+        assert last - killed[0] < 1.0 + HANG_S, f"last PEER_LOST {last - killed[0]:.2f}s after kill"
         assert rig.sched.peer_alive(peer.peer.session_id) is False
-        t0 = time.monotonic()
-        late = rig.submit("late", [0], [0])
-        assert late.wait(1.0) is TransferState.FAILED
+        assert rig.sched.metrics().peers_lost == 1
+        late = rig.submit("late", [0], [0])  # known lost: failed when submit returns
+        assert late.state is TransferState.FAILED
         assert late.reason is FailureReason.PEER_LOST
-        assert time.monotonic() - t0 < TOL
+        assert rig.backend.ops["late"] == []  # never sent
         assert rig.sched.drain(timeout=WAIT)
         rig.check_i6(61)
 
@@ -295,7 +299,8 @@ def test_frozen_decode_times_out_at_the_deadline_and_release_waits_for_the_engin
         for lc in lcs:
             assert lc.wait(WAIT) is TransferState.FAILED
             assert lc.reason is FailureReason.TIMEOUT
-            assert 1.0 - 0.05 <= terminal_at(lc) - t0 <= 1.0 + TOL, terminal_at(lc) - t0
+            # At its deadline, never before; the engine's own 5 s timeout is not it.
+            assert 1.0 - 0.05 <= terminal_at(lc) - t0 < 5.0, terminal_at(lc) - t0
         # The engine calls are still running: the blocks stay quarantined (I6).
         time.sleep(0.3)
         m = rig.sched.metrics()
