@@ -397,3 +397,22 @@ def test_a_renewed_hold_outlives_its_deadline_up_to_the_cap_only() -> None:
         assert (out.ok, out.reason, out.detail) == (False, "unknown_request", "request expired")
     finally:
         p.close()
+
+
+def test_decodes_and_prefills_that_churn_away_are_forgotten(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every decode restart is a new Mooncake session and every prefill a
+    new endpoint: idle ones are forgotten on both sides, and learnt again."""
+    from kvguard.vllm import decode_loads, prefill_pushes
+
+    monkeypatch.setattr(prefill_pushes, "IDLE_PEER_S", 0.3)
+    monkeypatch.setattr(decode_loads, "IDLE_LINK_S", 0.3)
+    test_push_lands_and_both_sides_report_once(pair)
+    assert pair.sender.peers() == 1 and pair.receiver.links() == 1
+    pair.until(lambda: pair.sender.peers() == 0 and pair.receiver.links() == 0)
+    assert pair.backend.advertised_regions(PEER) is None
+    pair.sender.hold("r2", [5], time.monotonic() + 5)
+    pair.receiver.expect("d2", pair.sender.endpoint, "r2", [6], time.monotonic() + 5)
+    pair.until(lambda: "d2" in pair.outcomes)
+    assert pair.outcomes["d2"].ok and same(pair, [5], [6])

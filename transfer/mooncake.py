@@ -178,7 +178,8 @@ class MooncakeBackend(TransferBackend):
     _sources: RegionIndex  # (L) registered memory; replaced, never mutated
     _live: set[TransferOp]  # (L) submitted and not yet quiesced
     _probes: dict[str, _ProbeCall]  # (L) at most one send_probe per peer in flight
-    _peers: dict[str, _PeerState]  # entries are only added; states are mutated in place
+    # states are mutated in place; an entry goes only with remove_peer (no op to it left)
+    _peers: dict[str, _PeerState]
     _loop: EngineLoop  # the only caller of transfer_submit_write / transfer_check_status
     _max_pending: int
     _probe_timeout_s: float
@@ -460,6 +461,12 @@ class MooncakeBackend(TransferBackend):
                     _log.warning("unregister_failed", base=hex(region.base), rc=code_name(rc))
         if loop.release_engine():
             del engine  # the last reference: the engine is destroyed here, now
+
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer's regions and what probes learnt of it (a decode that
+        churned away); ops already submitted to it run on."""
+        super().remove_peer(session_id)
+        self._peers.pop(session_id, None)
 
     # -- what the engine loop asks ----------------------------------------------------
 

@@ -22,7 +22,7 @@ One ``kvguard-vllm-receiver`` thread owns every socket (one DEALER per
 prefill endpoint, with its monitor); the engine's calls reach it through a
 queue. A link whose prefill refused the connection is closed with whatever
 it still queued (a prefill started later on that port gets none of it), and
-a link idle for ``_IDLE_LINK_S`` is closed too.
+a link idle for ``IDLE_LINK_S`` is closed too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _log = structlog.get_logger("kvguard.vllm.receiver")
 
 _POLL_MS: Final = 5
 _RECENT: Final = 4096  # outcomes kept for inspection
-_IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
+IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
 _EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -178,6 +178,10 @@ class DecodeReceiver:
         with self._lock:
             out, self._unfenced = self._unfenced, []
         return out
+
+    def links(self) -> int:
+        """Prefill endpoints with an open socket (for inspection and tests)."""
+        return len(self._links)
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -355,7 +359,7 @@ class DecodeReceiver:
                 self._abort(poller, rid, wait)  # answered once nothing writes its blocks
                 self._give_up(rid, "timeout", "no verdict from the prefill by the deadline")
         for endpoint, link in list(self._links.items()):
-            if not link.waits and now - link.used > _IDLE_LINK_S:
+            if not link.waits and now - link.used > IDLE_LINK_S:
                 self._drop_link(poller, endpoint)
 
     def _give_up(self, rid: str, reason: str, detail: str) -> None:

@@ -37,7 +37,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -76,6 +76,9 @@ _RECENT: Final = 4096  # finished ids remembered to answer a late push
 # waits this long at most, and at most this many wait at once.
 _EARLY_WAIT_S: Final = 10.0
 _MAX_EARLY: Final = 4096
+# A decode peer with no load in flight this long is forgotten (decodes churn:
+# every restart is a new Mooncake session); it is learnt again from its push.
+IDLE_PEER_S: Final = 300.0
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class _Load:
 
     ident: bytes  # the decode's ROUTER identity, for the Result
     transfer: str  # the kvguard request id
+    peer: str = ""  # the decode's Mooncake session, once the push was admitted
 
 
 @dataclass(slots=True)
@@ -156,6 +160,8 @@ class PrefillSender:
         self._outbox: deque[tuple[bytes, bytes]] = deque()  # (L) results to send
         self._starts: deque[tuple[str, bytes, Push]] = deque()  # (L) pushes matched by hold()
         self._peers: dict[str, PeerInfo] = {}  # sender thread only
+        self._peer_used: dict[str, float] = {}  # (L) session -> last push admitted to it
+        self._peer_loads: Counter[str] = Counter()  # (L) session -> loads in flight to it
         self.stats = SenderStats()  # (L)
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
@@ -327,6 +333,10 @@ class PrefillSender:
                 self._sched.add_peer(info)
                 self._peers[info.session_id] = info
             src = held.blocks[len(held.blocks) - len(push.blocks) :]
+            with self._lock:
+                held.loads[push.load_id].peer = info.session_id
+                self._peer_loads[info.session_id] += 1
+                self._peer_used[info.session_id] = time.monotonic()
             self._sched.submit(
                 transfer,
                 src,
@@ -368,6 +378,8 @@ class PrefillSender:
                 return
             self.stats.loads += 1
             self._outbox.append((load.ident, encode(result)))
+            if load.peer:
+                self._peer_loads[load.peer] -= 1
             held.served += served
             last = not held.loads and (
                 held.served >= held.group or held.deadline <= time.monotonic()
@@ -471,3 +483,26 @@ class PrefillSender:
             self._end(rid, "expired")
         for ident, push in late:
             self._answer(ident, push, "unknown_request", "never held here")
+        self._forget_idle_peers(now)
+
+    def _forget_idle_peers(self, now: float) -> None:
+        with self._lock:
+            idle = [
+                p
+                for p, used in self._peer_used.items()
+                if now - used > IDLE_PEER_S and self._peer_loads[p] <= 0
+            ]
+            for p in idle:
+                del self._peer_used[p]
+                self._peer_loads.pop(p, None)
+        for p in idle:  # nothing in flight to it: forgetting fails nothing
+            self._peers.pop(p, None)
+            self._sched.remove_peer(p)
+            for b in self._peer_backends:
+                b.remove_peer(p)
+            _log.info("peer_forgotten", peer=p)
+
+    def peers(self) -> int:
+        """Decode peers known here (for inspection and tests)."""
+        with self._lock:
+            return len(self._peer_used)
