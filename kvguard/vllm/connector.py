@@ -339,11 +339,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._start_worker()
         assert self.backend is not None
         logger.info(
-            "KVGuardConnector %s: %d layers x %d blocks x %d bytes, Mooncake session %s%s",
+            "KVGuardConnector %s: %d layers x %d blocks x %d bytes (%s), Mooncake session %s%s",
             "producer" if self.is_producer else "consumer",
             len(names),
             num_blocks,
             block_bytes,
+            self.compat,
             self.backend.session_id,
             f", control {self.sender.endpoint}" if self.sender else "",
         )
