@@ -102,7 +102,7 @@ def test_a_cpu_set_the_process_may_not_use_is_an_os_error_naming_it() -> None:
 
 @pytest.mark.parametrize(
     ("text", "want"),
-    [("0", {0}), ("0-2", {0, 1, 2}), (" 1,3-4 ", {1, 3, 4}), ("2-2,0", {0, 2})],
+    [("0", {0}), ("0-2", {0, 1, 2}), (" 1,3-4 ", {1, 3, 4}), ("2-2,0", {0, 2}), ("65535", {65535})],
 )
 def test_cpu_lists_parse_as_linux_writes_them(text: str, want: set[int]) -> None:
     assert parse_cpus(text) == frozenset(want)
@@ -117,6 +117,7 @@ def test_cpu_lists_parse_as_linux_writes_them(text: str, want: set[int]) -> None
         ("3-1", "range '3-1' is empty or out of bounds"),
         ("-1", "'-1' is not a CPU or a range"),
         ("70000", "range '70000' is empty or out of bounds"),
+        ("65536", "range '65536' is empty or out of bounds"),
     ],
 )
 def test_a_bad_cpu_list_is_a_value_error_naming_it(text: str, why: str) -> None:

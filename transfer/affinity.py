@@ -36,7 +36,7 @@ def process_cpus() -> frozenset[int]:
                 cpus |= os.sched_getaffinity(int(task.name))
             except (OSError, ValueError):
                 continue  # the thread ended while we looked
-    return frozenset(cpus or os.sched_getaffinity(0))
+    return frozenset(cpus)  # never empty: the calling thread is among the tasks
 
 
 def parse_cpus(text: str) -> frozenset[int] | None:
