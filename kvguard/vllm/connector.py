@@ -55,6 +55,7 @@ from transfer.peer_protocol import peer_message_of
 
 from .decode_loads import DecodeReceiver
 from .prefill_pushes import PrefillSender
+from .stats import KVGuardConnectorStats, KVGuardPromMetrics, WorkerStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -479,6 +480,42 @@ class KVGuardConnector(KVConnectorBase_V1):
     def on_loaded(self, request_id: str, blocks: list[int]) -> None:
         """A load succeeded: ``blocks`` hold the prefill's KV. A hook for tests."""
         return
+
+    # ==== stats: vLLM's stats API and Prometheus (kvguard.vllm.stats) ==========
+
+    @cached_property
+    def _worker_stats(self) -> WorkerStats:
+        assert self.cache is not None
+        return WorkerStats(self.cache.layout)
+
+    def get_kv_connector_stats(self) -> KVGuardConnectorStats | None:
+        """The worker's kvguard figures since the last step; None when nothing
+        changed, and always on the scheduler side (no sender, no receiver)."""
+        if self.cache is None:
+            return None
+        meta = self._connector_metadata  # this step's, still bound
+        loads = meta.loads if isinstance(meta, KVGuardMetadata) else []
+        started = [(load[0], len(load[1])) for load in loads]
+        in_use = {rid: len(blocks) for rid, blocks in self._load_blocks.items()}
+        return self._worker_stats.sample(
+            self.sender, self.receiver, started, in_use, time.monotonic()
+        )
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVGuardConnectorStats | None:
+        return KVGuardConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVGuardPromMetrics | None:
+        return KVGuardPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.sender is not None:
