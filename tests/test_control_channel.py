@@ -9,6 +9,7 @@ real Mooncake cache to ``kvguard run --decode`` over TCP and stops cleanly.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -24,8 +25,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from mooncake_helpers import requires_mooncake
+from mooncake_helpers import free_port, requires_mooncake
+from structlog.testing import capture_logs
+from zmq.utils.monitor import recv_monitor_message
 
+from kvguard.decode import control
 from kvguard.decode.control import (
     ControlClient,
     ControlServer,
@@ -38,9 +42,12 @@ from transfer.peer_protocol import (
     DIGEST_SIZE,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
+    ChecksumReply,
     PingReply,
+    PingRequest,
     ZeroReply,
     block_digest_bytes,
+    decode_reply,
     encode,
 )
 
@@ -315,6 +322,171 @@ def test_addresses(address: str, endpoint: object) -> None:
             endpoint_of(address)
     else:
         assert endpoint_of(address) == endpoint
+
+
+# -- the channel's own error paths, over TCP on 127.0.0.1 -----------------------------------
+
+
+def _lying_about_digests(rx: Any, keep: Callable[[int], int]) -> Callable[[bytes], bytes]:
+    """The receiver's answers, with ``keep(n)`` of each checksum reply's n digest bytes."""
+
+    def handle(body: bytes) -> bytes:
+        reply = decode_reply(rx.handle(body))
+        if isinstance(reply, ChecksumReply):
+            digests = reply.digests * 2  # enough bytes to keep more than were sent
+            return encode(ChecksumReply(digests[: keep(len(reply.digests))]))
+        return encode(reply)
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    ("keep", "got"),
+    [
+        (lambda n: n - DIGEST_SIZE, DIGEST_SIZE),  # one block short
+        (lambda n: n - 1, 2 * DIGEST_SIZE - 1),  # a digest cut short
+        (lambda n: n + DIGEST_SIZE, 3 * DIGEST_SIZE),  # a block too many
+        (lambda n: 0, 0),
+    ],
+    ids=["block short", "byte short", "block extra", "empty"],
+)
+def test_a_checksum_reply_with_the_wrong_digest_count_is_refused_typed(
+    keep: Callable[[int], int], got: int
+) -> None:
+    # Verification compares these digests block by block: a decode that
+    # answers fewer or more must not pass for one whose blocks all match.
+    rx = _bare_receiver(KVLayout(1, 16, 64))
+    s = Served("127.0.0.1:0", _lying_about_digests(rx, keep))
+    client = DecodeClient(s.endpoint, timeout_s=5.0)
+    try:
+        assert s.endpoint.startswith("tcp://127.0.0.1:")
+        with pytest.raises(PeerProtocolError) as info:
+            client.checksums([3, 1])
+        assert str(info.value) == f"{s.endpoint}: {got} digest bytes for 2 blocks"
+        assert client.ping() > 0  # the channel stays in step
+    finally:
+        client.close()
+        s.close()
+
+
+def test_a_full_send_queue_fails_at_once_typed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the default options a reset leaves one request queued at most, so
+    # the queue is full only on a socket that queues nothing: here one told to
+    # queue to completed connections only (ZMQ_IMMEDIATE), with nobody listening.
+    make = control._socket
+
+    def immediate(kind: int, endpoint: str, max_frame: int) -> zmq.Socket[bytes]:
+        sock = make(kind, endpoint, max_frame)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        return sock
+
+    monkeypatch.setattr(control, "_socket", immediate)
+    port = free_port()
+    client = ControlClient(f"127.0.0.1:{port}", timeout_s=HANG_S)
+    try:
+        for _ in range(2):  # and again: the reset socket is as empty as the first
+            start = time.monotonic()
+            with pytest.raises(ServiceTimeout) as info:
+                client.request(b"anything")
+            assert time.monotonic() - start < HANG_S  # said at once, not at the deadline
+            assert str(info.value) == (
+                f"tcp://127.0.0.1:{port} is not taking requests: "
+                "the send queue is full (SNDHWM 1000)"
+            )
+            assert isinstance(info.value, TimeoutError)
+            assert info.value.reason.name == "TIMEOUT"
+    finally:
+        client.close()
+
+
+def _open_sockets() -> set[zmq.Socket[bytes]]:
+    return {sock for sock in zmq.Context.instance()._sockets if not sock.closed}
+
+
+def test_a_taken_port_is_refused_typed_and_leaves_no_socket() -> None:
+    rx = _bare_receiver(KVLayout(1, 16, 64))
+    first = Served("127.0.0.1:0", rx.handle)
+    port = int(first.endpoint.rpartition(":")[2])
+    try:
+        before = _open_sockets()
+        with pytest.raises(OSError) as info:
+            ControlServer(f"127.0.0.1:{port}", rx.handle)
+        assert type(info.value) is OSError
+        assert str(info.value) == (
+            f"cannot listen on 127.0.0.1:{port}: "
+            f"Address already in use (addr='tcp://127.0.0.1:{port}')"
+        )
+        assert isinstance(info.value.__cause__, zmq.ZMQError)
+        assert info.value.__cause__.errno == errno.EADDRINUSE
+        with pytest.raises(ValueError, match=r"expected HOST:PORT, got '127\.0\.0\.1:65536'"):
+            ControlServer("127.0.0.1:65536", rx.handle)
+        assert _open_sockets() == before  # neither failure left a socket open
+        client = DecodeClient(first.endpoint, timeout_s=5.0)
+        try:
+            assert client.ping() > 0  # the holder of the port still serves
+        finally:
+            client.close()
+    finally:
+        first.close()
+
+
+def test_a_reply_to_a_client_that_gave_up_is_dropped_and_said(all_levels: None) -> None:
+    """The client times out while the service works on its request and
+    reopens its socket: the reply has nobody to go to, and the service logs
+    it dropped and goes on serving."""
+    rx = _bare_receiver(KVLayout(1, 16, 64))
+    seen: list[bytes] = []
+    working, finish = threading.Event(), threading.Event()
+
+    def slow(body: bytes) -> bytes:
+        seen.append(body)
+        if len(seen) == 2:  # after the warm-up: answered once its client has left
+            working.set()
+            finish.wait(HANG_S)
+        return rx.handle(body)
+
+    server = ControlServer("127.0.0.1:0", slow)
+    # Set up before serve() runs: a socket is never shared between threads.
+    monitor = server._sock.get_monitor_socket(  # type: ignore[union-attr]
+        zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop, 0.02))
+    client = ControlClient(server.endpoint, timeout_s=HANG_S)
+    ping = encode(PingRequest())
+    try:
+        with capture_logs() as logs:
+            thread.start()
+            assert decode_reply(client.request(ping)) == PingReply(os.getpid())  # connected
+            with pytest.raises(ServiceTimeout, match=r"within 0\.3s"):
+                client.request(ping, timeout=0.3)
+            assert working.wait(HANG_S), "the service never got the request"
+            # The reply is made only once the service has seen the old socket
+            # go and the reopened one come (the warm-up's came first).
+            events: list[int] = []
+            while events.count(zmq.EVENT_ACCEPTED) < 2 or zmq.EVENT_DISCONNECTED not in events:
+                assert monitor.poll(int(1000 * HANG_S)), f"only these socket events: {events}"
+                events.append(int(recv_monitor_message(monitor)["event"]))
+            finish.set()
+            deadline = time.monotonic() + HANG_S
+            while not [e for e in logs if e["event"] == "reply_dropped"]:
+                assert time.monotonic() < deadline, "the dropped reply was never logged"
+                time.sleep(0.01)
+        [dropped] = [e for e in logs if e["event"] == "reply_dropped"]
+        assert dropped["why"] == "client gone"
+        assert dropped["bytes"] == len(encode(PingReply(os.getpid())))
+        assert dropped["log_level"] == "debug"
+        # The service goes on, and the reopened client gets its own answer.
+        assert decode_reply(client.request(ping)) == PingReply(os.getpid())
+        assert len(seen) == 3
+    finally:
+        finish.set()
+        client.close()
+        stop.set()
+        thread.join(HANG_S)
+        monitor.close()
+        server.close()
+    assert not thread.is_alive()
 
 
 # -- kvguard decode --listen / kvguard run --decode ----------------------------------------

@@ -21,6 +21,7 @@ network namespaces).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import struct
 import threading
@@ -59,6 +60,11 @@ _log = structlog.get_logger("kvguard.control")
 
 _ID: Final = struct.Struct(">Q")
 _SLICE_S: Final = 0.05  # how often a waiting call runs its liveness check
+# Why a ROUTER_MANDATORY socket refuses a reply, by errno.
+_DROPPED: Final = {
+    errno.EHOSTUNREACH: "client gone",
+    errno.EAGAIN: "client not reading",
+}
 
 Liveness = Callable[[], None]  # raises when the service is known to be gone
 
@@ -119,17 +125,24 @@ class ControlClient:
             deadline = time.monotonic() + timeout
             try:
                 self._sock.send_multipart([cid, body], flags=zmq.NOBLOCK)
-                while (left := deadline - time.monotonic()) > 0:
-                    if alive is not None:
-                        alive()
-                    if not self._sock.poll(int(1000 * min(left, _SLICE_S)) + 1, zmq.POLLIN):
-                        continue
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-                    if len(frames) == 2 and frames[0] == cid:
-                        return frames[1]
-                    # A stale or foreign reply: never mistaken for this one's.
             except zmq.Again:
-                pass  # send queue full: the service is not taking requests
+                # A timeout resets the socket, so no older request is queued:
+                # a full queue takes none at all, the service is not taking
+                # requests, and waiting out the deadline would change nothing.
+                hwm = int(self._sock.getsockopt(zmq.SNDHWM))
+                self._reset()
+                raise ServiceTimeout(
+                    f"{self.endpoint} is not taking requests: the send queue is full (SNDHWM {hwm})"
+                ) from None
+            while (left := deadline - time.monotonic()) > 0:
+                if alive is not None:
+                    alive()
+                if not self._sock.poll(int(1000 * min(left, _SLICE_S)) + 1, zmq.POLLIN):
+                    continue
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                if len(frames) == 2 and frames[0] == cid:
+                    return frames[1]
+                # A stale or foreign reply: never mistaken for this one's.
             self._reset()
             raise ServiceTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s")
 
@@ -228,11 +241,16 @@ class ControlServer:
 
     def __init__(self, endpoint: str, handle: Callable[[bytes], bytes]) -> None:
         self._handle = handle
-        self._sock: zmq.Socket[bytes] | None = _socket(zmq.ROUTER, endpoint, MAX_REQUEST_BYTES)
+        url = endpoint_of(endpoint)  # ValueError before any socket exists
+        self._sock: zmq.Socket[bytes] | None = _socket(zmq.ROUTER, url, MAX_REQUEST_BYTES)
+        # A reply ZeroMQ cannot route raises instead of vanishing, so serve()
+        # can say which one it dropped and why.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            self._sock.bind(endpoint_of(endpoint))
+            self._sock.bind(url)
         except zmq.ZMQError as exc:
             self._sock.close()
+            self._sock = None
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
         self.endpoint = str(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -254,11 +272,14 @@ class ControlServer:
             ident, cid, body = frames
             reply = self._handle(body)
             try:
-                # ROUTER drops a reply to a client that left; NOBLOCK: a
-                # client that stopped reading cannot stall the service.
+                # NOBLOCK: a client that stopped reading cannot stall the service.
                 sock.send_multipart([ident, cid, reply], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                _log.debug("reply_dropped", bytes=len(reply))
+            except zmq.ZMQError as exc:
+                if exc.errno not in _DROPPED:
+                    raise
+                # The client gave up (a timed-out client reopens its socket)
+                # or stopped reading: nobody waits for this reply.
+                _log.debug("reply_dropped", why=_DROPPED[exc.errno], bytes=len(reply))
 
     def close(self) -> None:
         """Stop listening (an ipc socket file is removed). Idempotent."""
