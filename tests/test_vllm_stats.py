@@ -10,6 +10,7 @@ figures back from each server's ``/metrics`` and stats log line.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import pickle
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllm_server import Server, complete, free_port, kv_config, pd
+from vllm_server import MODEL, Server, complete, free_port, kv_config, pd
 
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.decode_loads import LoadOutcome
@@ -149,6 +150,8 @@ def test_reduce_summarises_counts_bytes_times_and_gauges() -> None:
         "quarantined blocks": 1,
         "oldest live load seconds": 0.5,
     }
+    two = stats(seconds={"prefill/done": [0.004, 0.002]}).reduce()
+    assert two == {"prefill done avg ms": 3.0, "prefill done p90 ms": 4.0}
 
 
 def test_aggregate_of_another_connectors_stats_is_a_type_error_and_changes_nothing() -> None:
@@ -519,11 +522,12 @@ def _sample(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def _layout_of(log: str, role: str) -> tuple[int, int]:
-    """(layers, bytes per block) from the connector's start line."""
-    m = re.search(rf"KVGuardConnector {role}: (\d+) layers x \d+ blocks x (\d+) bytes", log)
-    assert m, f"no {role} layout line in the log"
-    return int(m[1]), int(m[2])
+def _bytes_per_block(block_size: int) -> int:
+    """One block's K and V over every layer, from the checkpoint (float32)."""
+    c = json.loads((MODEL / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_layer = 2 * block_size * c["num_key_value_heads"] * head_dim * 4
+    return int(c["num_hidden_layers"] * per_layer)
 
 
 @pytest.mark.timeout(900)
@@ -549,8 +553,7 @@ def test_servers_export_kvguards_figures_on_metrics(servers: tuple[Server, Serve
     assert statuses == [200, 200, 200], decode.log_tail()
     assert failed_status != 200
 
-    layers, block_bytes = _layout_of(decode.log.read_text(errors="replace"), "consumer")
-    want_bytes = sum(math.ceil(n / 32) for n in lengths) * layers * block_bytes
+    want_bytes = sum(math.ceil(n / 32) for n in lengths) * _bytes_per_block(32)
     # Each step's stats reach the API server with that step's outputs: wait for the last.
     want_decode = {
         ("vllm:kvguard_transfers_total", "loaded", ""): 3.0,

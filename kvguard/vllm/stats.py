@@ -157,7 +157,8 @@ class KVGuardConnectorStats(KVConnectorStats):
             label = name.replace(_SEP, " ")
             ordered = sorted(samples)
             out[f"{label} avg ms"] = round(sum(ordered) / len(ordered) * 1e3, 3)
-            out[f"{label} p90 ms"] = round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 3)
+            p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]  # nearest rank
+            out[f"{label} p90 ms"] = round(p90 * 1e3, 3)
         for gauge, value in self.data["gauges"].items():
             out[gauge.replace("_", " ")] = value
         return out
