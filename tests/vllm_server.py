@@ -5,26 +5,32 @@ process group (APIServer, EngineCore and Worker are three processes, vLLM's
 default multiprocessing), on ports from the free-port finder, with the tiny
 checkpoint and small limits (the machine has 2 cores shared with others).
 ``Server.stop()`` kills the whole group by its id; ``Server.log_tail()``
-goes into failure messages.
+goes into failure messages. Dev mode is on so a test can empty a server's
+prefix cache (``POST /reset_prefix_cache``) and make every PD request load
+its KV instead of finding it cached from the reference request.
 
-The client runs the PD proxy's two steps itself (prefill with max_tokens 1
-and ``do_remote_decode``, then decode with the prefill's
-``kv_transfer_params``), asks for token ids (``return_token_ids``) and
-compares them with a non-PD request of the same prompt (temperature 0,
-``ignore_eos``).
+``Proxy`` is ``kvguard proxy`` as a subprocess (its own process group too).
+The client runs the PD proxy's two steps itself where a test must act
+between them (``prefill_step``/``pd``, the body vLLM's toy proxy sends),
+asks for token ids (``return_token_ids``) and compares them with a non-PD
+request of the same prompt (temperature 0, ``ignore_eos``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-llama"))
 LOGS = ROOT / ".venv-vllm"
+BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
 START_S = 300.0  # a server's start on a loaded 2-core machine
 
 SMALL = [
@@ -53,6 +60,17 @@ SMALL = [
     "0",
 ]
 
+# What vLLM's toy PD proxy (tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py) puts into the prefill leg's body.
+TOY_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -70,6 +88,43 @@ def kv_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:
     if role == "kv_consumer":
         cfg["kv_load_failure_policy"] = policy
     return cfg
+
+
+def _get(url: str, timeout_s: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return bytes(r.read())
+
+
+def wait_healthy(urls: Iterable[str], deadline: float, alive: Any = None) -> None:
+    """Every ``url + /health`` answered 200 by ``deadline`` (monotonic), else TimeoutError.
+
+    ``alive()`` (if given) is checked between polls and raises when the
+    process serving them is gone.
+    """
+    pending = list(urls)
+    while pending:
+        if alive is not None:
+            alive()
+        with contextlib.suppress(OSError):
+            _get(pending[0] + "/health", 2)
+            pending.pop(0)
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no /health from {pending}")
+        time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class Load:
+    """A server's scheduler and KV cache, from its /metrics."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0 and self.kv_usage == 0
 
 
 @dataclass
@@ -97,24 +152,30 @@ class Server:
         if self.kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv)]
         env = dict(os.environ, MC_FORCE_TCP="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-        with self.log.open("wb") as out:
+        with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        end = time.monotonic() + START_S
-        while time.monotonic() < end:
+
+        def alive() -> None:
+            assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    return self
-            time.sleep(1.0)
+
+        try:
+            wait_healthy([self.url], time.monotonic() + START_S, alive)
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(
+                f"{self.name}: no /health within {START_S}s:\n{self.log_tail()}"
+            ) from None
+        return self
+
+    def restart(self) -> Server:
         self.stop()
-        raise TimeoutError(f"{self.name}: no /health within {START_S}s:\n{self.log_tail()}")
+        return self.start()
 
     def signal(self, sig: int) -> None:
         """``sig`` to every process of the server (APIServer, EngineCore, Worker)."""
@@ -129,18 +190,23 @@ class Server:
         self.proc.wait(30)
         self.proc = None
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 40, grep: str = "") -> str:
         try:
             text = self.log.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        keep = [t for t in text if "GET /health" not in t and "Route:" not in t]
+        keep = [
+            t
+            for t in text
+            if "GET /health" not in t and "Route:" not in t and "GET /metrics" not in t
+        ]
+        if grep:
+            keep = [t for t in keep if re.search(grep, t)]
         return "\n".join(keep[-lines:])
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, name{labels} -> value."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = _get(self.url + "/metrics", 10).decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -152,61 +218,270 @@ class Server:
     def gauge(self, name: str) -> float:
         return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
 
+    def load(self) -> Load:
+        m = self.metrics()
+
+        def total(name: str) -> float:
+            return sum(v for k, v in m.items() if k.split("{")[0] == name)
+
+        return Load(
+            running=total("vllm:num_requests_running"),
+            waiting=total("vllm:num_requests_waiting"),
+            kv_usage=total("vllm:kv_cache_usage_perc"),
+        )
+
+    def tokens_by_source(self) -> Counter[str]:
+        """Prompt tokens by source: local_compute, local_cache_hit, external_kv_transfer."""
+        out: Counter[str] = Counter()
+        for key, value in self.metrics().items():
+            if key.startswith("vllm:prompt_tokens_by_source_total{"):
+                source = re.search(r'source="([^"]+)"', key)
+                assert source is not None, key
+                out[source.group(1)] += int(value)
+        return out
+
+    def wait_idle(self, within_s: float) -> float:
+        """Seconds until nothing runs or waits and no KV block is used; fails after ``within_s``."""
+        t0 = time.monotonic()
+        while True:
+            load = self.load()
+            if load.idle:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > within_s:
+                raise AssertionError(
+                    f"{self.name} not idle {within_s}s on: {load}\n--- log\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def reset_prefix_cache(self, within_s: float = 30.0) -> None:
+        """Empty the server's prefix cache (refused while blocks are held: retry)."""
+        end = time.monotonic() + within_s
+        while True:
+            req = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read())["success"]:
+                    return
+            if time.monotonic() > end:
+                raise AssertionError(f"{self.name}: prefix cache not reset:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+
+@dataclass
+class Proxy:
+    """``kvguard proxy`` in its own process group, on a port it picks (``--port 0``)."""
+
+    prefill: Sequence[str]
+    decode: Sequence[str]
+    args: Sequence[str] = ()
+    url: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> Path:
+        return LOGS / "proxy.log"
+
+    def start(self) -> Proxy:
+        cmd = [str(BIN / "kvguard"), "proxy", "--prefill", *self.prefill]
+        cmd += ["--decode", *self.decode, "--port", "0", *self.args]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        end = time.monotonic() + 60
+        while not self.url:
+            found = re.search(r"listening on (http://\S+)", self.log.read_text(errors="replace"))
+            if found:
+                self.url = found.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"kvguard proxy did not start:\n{self.log_tail()}")
+            else:
+                time.sleep(0.2)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one client request ended."""
+    """How one client request ended.
 
-    status: int
-    tokens: list[int] | None
+    ``kind`` is ``ok``, ``http <status> <error type>``, ``refused`` (no
+    connection), ``disconnected`` (closed before the reply) or ``timeout``
+    (the client's own deadline: a request that hung).
+    """
+
+    status: int  # 0: no HTTP reply
+    kind: str
+    choices: tuple[tuple[int, ...], ...]  # each choice's token ids, by index
     error: str
     seconds: float
 
+    @property
+    def tokens(self) -> list[int] | None:
+        return list(self.choices[0]) if self.choices else None
 
-async def complete(
+
+def _error_type(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("type", "?"))
+    return "?"
+
+
+async def post(
     http: aiohttp.ClientSession,
-    server: Server,
-    prompt: list[int],
-    max_tokens: int,
-    kv_transfer_params: dict[str, Any] | None = None,
+    url: str,
+    body: dict[str, Any],
     timeout_s: float = 60.0,
 ) -> tuple[Outcome, dict[str, Any] | None]:
-    """One /v1/completions call; its outcome and the returned kv_transfer_params."""
-    body: dict[str, Any] = {
+    """One POST /v1/completions to ``url``; its outcome and the returned kv_transfer_params."""
+    t0 = time.monotonic()
+
+    def failed(kind: str, exc: BaseException) -> tuple[Outcome, None]:
+        return Outcome(0, kind, (), f"{type(exc).__name__}: {exc}", time.monotonic() - t0), None
+
+    try:
+        async with http.post(
+            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            data = await r.json(content_type=None)
+    except aiohttp.ClientConnectorError as exc:
+        return failed("refused", exc)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        return failed("disconnected", exc)
+    except aiohttp.ClientOSError as exc:
+        return failed("disconnected", exc)
+    except asyncio.TimeoutError as exc:
+        return failed("timeout", exc)
+    took = time.monotonic() - t0
+    if r.status != 200:
+        kind = f"http {r.status} {_error_type(data)}"
+        return Outcome(r.status, kind, (), json.dumps(data)[:300], took), None
+    ordered = sorted(data["choices"], key=lambda c: int(c["index"]))
+    choices = tuple(tuple(int(t) for t in c["token_ids"]) for c in ordered)
+    return Outcome(200, "ok", choices, "", took), data.get("kv_transfer_params")
+
+
+def completion_body(prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
         "model": str(MODEL),
-        "prompt": prompt,
+        "prompt": list(prompt),
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **extra,
     }
+
+
+async def complete(
+    http: aiohttp.ClientSession,
+    server: Server | str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    **extra: Any,
+) -> tuple[Outcome, dict[str, Any] | None]:
+    """One /v1/completions call; its outcome and the returned kv_transfer_params."""
+    body = completion_body(prompt, max_tokens, **extra)
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
-    t0 = time.monotonic()
-    async with http.post(
-        server.url + "/v1/completions",
-        json=body,
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-    ) as r:
-        data = await r.json(content_type=None)
-    took = time.monotonic() - t0
-    if r.status != 200:
-        return Outcome(r.status, None, json.dumps(data)[:300], took), None
-    choice = data["choices"][0]
-    return Outcome(200, list(choice["token_ids"]), "", took), data.get("kv_transfer_params")
+    url = server.url if isinstance(server, Server) else server
+    return await post(http, url, body, timeout_s)
+
+
+async def ask(
+    http: aiohttp.ClientSession,
+    url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    timeout_s: float = 60.0,
+    **extra: Any,
+) -> Outcome:
+    """One completion through a proxy (or a server used without PD); its outcome."""
+    out, _ = await post(http, url, completion_body(prompt, max_tokens, **extra), timeout_s)
+    return out
+
+
+async def prefill_step(
+    http: aiohttp.ClientSession, prefill: Server, prompt: Sequence[int]
+) -> tuple[Outcome, dict[str, Any] | None]:
+    """The toy proxy's prefill leg: max_tokens 1, its kv_transfer_params."""
+    return await complete(http, prefill, prompt, 1, dict(TOY_PREFILL_PARAMS))
 
 
 async def pd(
     http: aiohttp.ClientSession,
     prefill: Server,
     decode: Server,
-    prompt: list[int],
+    prompt: Sequence[int],
     max_tokens: int,
+    timeout_s: float = 60.0,
+    **extra: Any,
 ) -> Outcome:
-    """The PD proxy's two steps for one prompt; the decode's outcome."""
-    first, params = await complete(http, prefill, prompt, 1, {"do_remote_decode": True})
+    """The PD proxy's two steps for one prompt; the decode's outcome (``extra`` on the decode)."""
+    first, params = await prefill_step(http, prefill, prompt)
     if first.status != 200 or params is None:
         return first
-    t0 = time.monotonic()
-    out, _ = await complete(http, decode, prompt, max_tokens, params)
-    return Outcome(out.status, out.tokens, out.error, first.seconds + (time.monotonic() - t0))
+    out, _ = await complete(http, decode, prompt, max_tokens, params, timeout_s, **extra)
+    return Outcome(out.status, out.kind, out.choices, out.error, first.seconds + out.seconds)
+
+
+# ==== the per-scenario table ===================================================
+
+
+@dataclass
+class Row:
+    """One scenario's figures for the closing note."""
+
+    scenario: str
+    requests: int = 0
+    ok_equal: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    max_s: float = 0.0
+    decode_idle: str = "-"
+    note: str = ""
+
+    def add(self, outcomes: Iterable[Outcome], want: Iterable[Sequence[int]]) -> None:
+        """Count ``outcomes`` against the expected tokens of each (every choice must equal)."""
+        for got, tokens in zip(outcomes, want, strict=True):
+            self.requests += 1
+            self.max_s = max(self.max_s, got.seconds)
+            if got.kind == "ok" and all(list(c) == list(tokens) for c in got.choices):
+                self.ok_equal += 1
+            elif got.kind == "ok":
+                self.errors["wrong tokens"] += 1
+            else:
+                self.errors[got.kind] += 1
+
+    def line(self) -> str:
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "-"
+        return (
+            f"| {self.scenario} | {self.requests} | {self.ok_equal} | {errors} "
+            f"| {self.max_s:.2f} | {self.decode_idle} | {self.note} |"
+        )
+
+
+TABLE_HEADER = (
+    "| scenario | requests | ok and equal | errors by kind | max s to outcome "
+    "| servers idle after | note |\n|---|---|---|---|---|---|---|"
+)
