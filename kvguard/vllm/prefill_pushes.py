@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Final
 
@@ -210,6 +210,17 @@ class PrefillSender:
     def holding(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def snapshot(self) -> tuple[SenderStats, int]:
+        """A consistent copy of the stats and the blocks held now."""
+        with self._lock:
+            stats = replace(self.stats, by_reason=dict(self.stats.by_reason))
+            return stats, sum(len(h.blocks) for h in self._held.values())
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The kvguard Scheduler that runs the pushes: its metrics and observers."""
+        return self._sched
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop answering decodes and end kvguard's requests (SHUTDOWN)."""

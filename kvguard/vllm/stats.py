@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -265,12 +265,8 @@ class PrefillSample:
     @classmethod
     def of(cls, sender: PrefillSender, block_bytes: int) -> PrefillSample:
         """Read ``sender``; ``block_bytes``: one block over every layer."""
-        # PrefillSender exposes SenderStats only: its held blocks (under its
-        # lock) and its kvguard Scheduler's figures are read here.
-        with sender._lock:
-            stats = replace(sender.stats, by_reason=dict(sender.stats.by_reason))
-            held = sum(len(h.blocks) for h in sender._held.values())
-        m = sender._sched.metrics()
+        stats, held = sender.snapshot()
+        m = sender.scheduler.metrics()
         return cls(
             stats, m.bytes_done, held, m.quarantined_bytes // block_bytes, m.oldest_live_age_s
         )
@@ -308,14 +304,12 @@ class WorkerStats:
         if sender is not None:
             if self._observed is not sender:
                 # From the first step on: a hold, hence a push, comes a step later.
-                sender._sched.add_observer(self._on_finished)
+                sender.scheduler.add_observer(self._on_finished)
                 self._observed = sender
             times = [self._times.popleft() for _ in range(len(self._times))]
             return self.prefill(PrefillSample.of(sender, self.block_bytes), times)
         if receiver is not None:
-            with receiver._lock:  # its outcomes are guarded by it
-                outcomes = list(receiver.outcomes.values())
-            return self.decode(loads, outcomes, in_use, now)
+            return self.decode(loads, receiver.recent_outcomes(), in_use, now)
         return None
 
     def _on_finished(self, fin: Finished) -> None:
