@@ -418,3 +418,59 @@ def test_decodes_and_prefills_that_churn_away_are_forgotten(
     pair.receiver.expect("d2", pair.sender.endpoint, "r2", [6], time.monotonic() + 5)
     pair.until(lambda: "d2" in pair.outcomes)
     assert pair.outcomes["d2"].ok and same(pair, [5], [6])
+
+
+FAKE_PREFILL = r"""
+import zmq
+from kvguard.vllm.protocol import Abort, Result, decode_from_decode, encode
+
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:  # never pushes; answers each given-up load as released
+    ident, body = sock.recv_multipart()
+    msg = decode_from_decode(body)
+    if isinstance(msg, Abort) and msg.load_id:
+        sock.send_multipart([ident, encode(Result(msg.request_id, msg.load_id, False, "aborted"))])
+"""
+
+
+def test_a_frozen_prefill_is_not_taken_for_dead_and_its_late_answer_lands(pair: Pair) -> None:
+    """SIGSTOP: heartbeats fail and the connection drops, but the stopped
+    process's port still accepts, so the load stays fenced; on SIGCONT the
+    decode reconnects under the same identity, asks again, and the answer
+    lifts the fence. Then SIGKILL: the port refuses, and that is proof."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    fake = subprocess.Popen(
+        [sys.executable, "-c", FAKE_PREFILL], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert fake.stdout is not None
+        endpoint = f"tcp://127.0.0.1:{int(fake.stdout.readline())}"
+        pair.receiver.expect("d1", endpoint, "r1", [1], time.monotonic() + 30)
+        time.sleep(0.5)  # connected; the push sits at the fake, unanswered
+        fake.send_signal(signal.SIGSTOP)
+        pair.until(lambda: "d1" in pair.outcomes)
+        out = pair.outcomes["d1"]
+        assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
+        time.sleep(2.0)  # four probes: each finds the port accepting
+        pair.poll()
+        assert pair.unfenced == [], "a stopped prefill was taken for a dead one"
+        fake.send_signal(signal.SIGCONT)
+        pair.until(lambda: pair.unfenced == ["d1"])
+        fake.kill()
+        fake.wait(10)
+        pair.receiver.expect("d2", endpoint, "r2", [1], time.monotonic() + 30)
+        pair.until(lambda: "d2" in pair.outcomes)  # long before its 30 s deadline
+        out = pair.outcomes["d2"]
+        assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", False), out
+    finally:
+        fake.kill()
+        fake.wait(10)

@@ -9,8 +9,9 @@ as loaded or as failed, at the first of:
 * the prefill's ``Result`` for this load -- sent only once nothing of the
   prefill writes its blocks (kvguard released the transfer: terminal AND
   quiesced, or it never started);
-* proof the prefill is gone: nothing listens on its control port (the
-  reconnect is refused); a killed process's socket closes with it;
+* proof the prefill is gone: nothing listens on its control port (a plain
+  TCP connect is refused; a killed process's socket closes with it, while a
+  stopped one's port still accepts);
 * its deadline, or the prefill falling silent (its connection drops: a
   kill, or ZeroMQ heartbeats unanswered for ``heartbeat_timeout_s``: a
   frozen or partitioned process). These are *fenced* outcomes: the prefill
@@ -28,12 +29,15 @@ a link idle for ``IDLE_LINK_S`` is closed too.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
+from urllib.parse import urlsplit
 
 import structlog
 import zmq
@@ -52,6 +56,11 @@ _log = structlog.get_logger("kvguard.vllm.receiver")
 _POLL_MS: Final = 5
 _RECENT: Final = 4096  # outcomes kept for inspection
 IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
+# A lost link's prefill is probed this often: a plain TCP connect to its
+# control port, refused only when nothing listens (a stopped process's port
+# still accepts, so ZeroMQ's own retries prove nothing).
+_PROBE_EVERY_S: Final = 0.5
+_PROBE_TIMEOUT_S: Final = 0.2
 _EVENTS: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -99,6 +108,7 @@ class _Link:
     lost: bool = False  # dropped since the last handshake: what we asked may be lost
     waits: set[str] = field(default_factory=set)  # local ids awaiting this prefill's verdict
     used: float = 0.0  # time.monotonic() of the last expect
+    probe_at: float = 0.0  # lost: when to probe the prefill's port next
 
 
 class DecodeReceiver:
@@ -132,6 +142,7 @@ class DecodeReceiver:
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
+        self._identity = f"kvguard-decode-{uuid.uuid4().hex}".encode()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvguard-vllm-receiver", daemon=True)
         self._thread.start()
@@ -233,6 +244,9 @@ class DecodeReceiver:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb_timeout_ms)
             sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb_timeout_ms)
             sock.setsockopt(zmq.IPV6, 1 if "[" in endpoint else 0)
+            # One identity across reconnects: the prefill's ROUTER hands the
+            # new connection over and its late Results reach us.
+            sock.setsockopt(zmq.ROUTING_ID, self._identity)
             monitor = sock.get_monitor_socket(_EVENTS)
             sock.connect(endpoint)
             link = _Link(sock, monitor, used=time.monotonic())
@@ -324,15 +338,12 @@ class DecodeReceiver:
                 # what it queued, so no prefill started later gets it.
                 self._drop_all(poller, endpoint, link, what)
                 return
-            elif ev == zmq.EVENT_CONNECT_RETRIED and link.lost:
-                # A reconnect refused: nothing listens there any more, so no
-                # process of that prefill can write.
-                self._drop_all(poller, endpoint, link, what)
-                return
             elif ev == zmq.EVENT_DISCONNECTED and link.up:
                 # Dropped: killed, or silent (frozen, partitioned). Not proof:
-                # a frozen prefill writes on thaw; the loads stay fenced.
+                # a frozen prefill writes on thaw; the loads stay fenced until
+                # its Result, or a probe finds nothing listening (_expire).
                 link.up, link.lost = False, True
+                link.probe_at = time.monotonic()
                 for rid in link.waits:
                     self._give_up(rid, "peer_lost", what)
 
@@ -358,13 +369,29 @@ class DecodeReceiver:
                 continue  # not a load of ours on this link: it marks nothing
             self._over(res.load_id, res)
 
+    def _probe(self, poller: zmq.Poller, endpoint: str, link: _Link, now: float) -> None:
+        """Does anything listen at a lost prefill's port? Refused: nothing
+        of that prefill can write any more."""
+        link.probe_at = now + _PROBE_EVERY_S
+        parts = urlsplit(endpoint)
+        if parts.hostname is None or parts.port is None:
+            return
+        try:
+            socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S).close()
+        except ConnectionRefusedError:
+            self._drop_all(poller, endpoint, link, f"prefill {endpoint}: connection refused")
+        except OSError:
+            return  # unreachable or slow: silent, not proof
+
     def _expire(self, poller: zmq.Poller, now: float) -> None:
         for rid, wait in self._waits.items():
             if wait.deadline <= now and not wait.reported and not wait.cancelled:
                 self._abort(poller, rid, wait)  # answered once nothing writes its blocks
                 self._give_up(rid, "timeout", "no verdict from the prefill by the deadline")
         for endpoint, link in list(self._links.items()):
-            if not link.waits and now - link.used > IDLE_LINK_S:
+            if link.lost and link.waits and link.probe_at <= now:
+                self._probe(poller, endpoint, link, now)
+            elif not link.waits and now - link.used > IDLE_LINK_S:
                 self._drop_link(poller, endpoint)
 
     def _give_up(self, rid: str, reason: str, detail: str) -> None:

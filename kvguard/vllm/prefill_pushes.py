@@ -170,6 +170,9 @@ class PrefillSender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone decode raises
+        # A decode that reconnects keeps its identity: its new connection
+        # takes over, so a Result sent after the reconnect reaches it.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             sock.bind(endpoint_of(bind))
         except zmq.ZMQError as exc:
