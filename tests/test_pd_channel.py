@@ -474,3 +474,33 @@ def test_a_frozen_prefill_is_not_taken_for_dead_and_its_late_answer_lands(pair: 
     finally:
         fake.kill()
         fake.wait(10)
+
+
+def test_a_bad_endpoint_fails_the_load_at_once_naming_it(pair: Pair) -> None:
+    """The endpoint comes from a request's parameters: untrusted. Nothing is
+    sent, so nothing is fenced, and the receiver keeps serving."""
+    pair.receiver.expect("bad", "tcp://nowhere:notaport", "r1", [1], time.monotonic() + 30)
+    pair.until(lambda: "bad" in pair.outcomes)
+    out = pair.outcomes["bad"]
+    assert (out.ok, out.reason, out.fenced) == (False, "bad_endpoint", False), out
+    assert "nowhere:notaport" in out.detail
+    test_push_lands_and_both_sides_report_once(pair)  # still serving
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_garbage_from_a_prefill_is_logged_typed_and_marks_nothing(pair: Pair) -> None:
+    from structlog.testing import capture_logs
+
+    fake = FakePrefill()
+    try:
+        with capture_logs() as logs:
+            pair.receiver.expect("d1", fake.endpoint, "r1", [2], time.monotonic() + 30)
+            ident, _ = fake.recv()
+            fake.sock.send_multipart([ident, b"\xff\x00"])
+            fake.sock.send_multipart([ident, encode(Result("r1", "d1", True))])
+            pair.until(lambda: "d1" in pair.outcomes)
+        bad = [e for e in logs if e["event"] == "bad_prefill_message"]
+        assert len(bad) == 1 and "bad message from prefill" in bad[0]["error"], logs
+        assert pair.outcomes["d1"].ok  # the good Result after it still counts
+    finally:
+        fake.close()

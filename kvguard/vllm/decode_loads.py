@@ -49,7 +49,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .protocol import MAX_FRAME_BYTES, Abort, Push, Renew, Result, decode_from_prefill, encode
 
-__all__ = ["DecodeReceiver", "LoadOutcome"]
+__all__ = ["DecodeReceiver", "LoadOutcome", "prefill_url"]
 
 _log = structlog.get_logger("kvguard.vllm.receiver")
 
@@ -72,6 +72,12 @@ _EVENT_WORDS: Final[dict[int, str]] = {
     int(zmq.EVENT_CONNECT_RETRIED): "connection refused",
     int(zmq.EVENT_CLOSED): "connection refused or closed",
 }
+
+
+def prefill_url(endpoint: str) -> str:
+    """A prefill's control endpoint from a request's parameters (untrusted):
+    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else."""
+    return endpoint_of(endpoint.removeprefix("tcp://"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +280,10 @@ class DecodeReceiver:
                 _log.error("expect_duplicate", request=rid, remote=remote_id)
                 return
             try:
-                url = endpoint_of(endpoint)
-            except ValueError as exc:
-                self._report(LoadOutcome(rid, False, "bad_endpoint", str(exc), 0.0))
+                url = prefill_url(endpoint)
+                link = self._link(poller, url)
+            except (ValueError, zmq.ZMQError) as exc:  # nothing was sent
+                self._report(LoadOutcome(rid, False, "bad_endpoint", f"{endpoint!r}: {exc}", 0.0))
                 return
             left = deadline - now - self._margin_s
             if left <= 0:
@@ -285,7 +292,6 @@ class DecodeReceiver:
                 )
                 return
             self._waits[rid] = _Wait(url, remote_id, deadline, now)
-            link = self._link(poller, url)
             link.used = now
             link.waits.add(rid)
             expires = time.time() + left
@@ -302,11 +308,11 @@ class DecodeReceiver:
             endpoint, remote_id = args
             assert isinstance(endpoint, str) and isinstance(remote_id, str)
             try:
-                url = endpoint_of(endpoint)
-            except ValueError:
-                return
+                link = self._link(poller, prefill_url(endpoint))
+            except (ValueError, zmq.ZMQError):
+                return  # its load, if any, was refused as bad_endpoint
             msg = Abort(remote_id) if kind == "forget" else Renew(remote_id)
-            self._send(self._link(poller, url), encode(msg))
+            self._send(link, encode(msg))
 
     def _abort(self, poller: zmq.Poller, rid: str, wait: _Wait) -> None:
         link = self._links.get(wait.endpoint)
