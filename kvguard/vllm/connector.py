@@ -229,18 +229,23 @@ class KVGuardConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if self.is_producer or not self._wants_load(params):
             return 0, False
-        assert params is not None
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if count > 0 and request.request_id not in self._queued:
-            # Asked again each step it cannot get blocks: renew its hold meanwhile.
-            try:
-                every = float(params.get(P_HOLD, self.settings.hold_s)) / 3
-            except (TypeError, ValueError):
-                every = self.settings.hold_s / 3
-            every = max(every, 0.1)
-            due = time.monotonic() + every
-            self._queued[request.request_id] = (params[P_ENDPOINT], params[P_REQUEST], every, due)
         return (count, True) if count > 0 else (0, False)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode: from its arrival until its blocks are allocated, renew the
+        prefill's hold of a request that will load (it may queue long)."""
+        params = request.kv_transfer_params
+        if self.is_producer or not self._wants_load(params):
+            return
+        assert params is not None
+        try:
+            every = float(params.get(P_HOLD, self.settings.hold_s)) / 3
+        except (TypeError, ValueError):
+            every = self.settings.hold_s / 3
+        every = max(every, 0.1)
+        due = time.monotonic() + every
+        self._queued[request.request_id] = (params[P_ENDPOINT], params[P_REQUEST], every, due)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
