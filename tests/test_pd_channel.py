@@ -75,6 +75,15 @@ class Pair:
         self.backend.close()
 
 
+def hanging_pair() -> tuple[Pair, FaultInjectingBackend]:
+    """A pair whose prefill engine hangs in its first transfer until released."""
+    p = Pair()
+    hanging = FaultInjectingBackend(p.backend, FaultPlan.script([FaultKind.HANG]))
+    p.sender.close(timeout=2.0)
+    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0", peer_backends=(p.backend,))
+    return p, hanging
+
+
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     p = Pair()
@@ -182,10 +191,7 @@ def test_a_cancelled_load_is_reported_only_after_the_prefill_let_go() -> None:
     """vLLM #46283's case: the decode aborts while the transfer runs. The
     decode's blocks may be written until the prefill's engine let go of them,
     so the load is reported (failed) only then, and the prefill's hold too."""
-    p = Pair()
-    hanging = FaultInjectingBackend(p.backend, FaultPlan.script([FaultKind.HANG]))
-    p.sender.close(timeout=2.0)
-    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0", peer_backends=(p.backend,))
+    p, hanging = hanging_pair()
     try:
         p.sender.hold("r1", [1], time.monotonic() + 30)
         p.receiver.expect("d1", p.sender.endpoint, "r1", [2], time.monotonic() + 30)
@@ -275,10 +281,7 @@ def test_a_load_past_its_deadline_stays_fenced_until_the_prefill_lets_go() -> No
     """The prefill's engine hangs in the transfer: the decode reports the
     load failed at its deadline, but names its blocks free only once the
     prefill released the transfer (terminal AND quiesced)."""
-    p = Pair()
-    hanging = FaultInjectingBackend(p.backend, FaultPlan.script([FaultKind.HANG]))
-    p.sender.close(timeout=2.0)
-    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0", peer_backends=(p.backend,))
+    p, hanging = hanging_pair()
     try:
         p.sender.hold("r1", [1], time.monotonic() + 30)
         p.receiver.expect("d1", p.sender.endpoint, "r1", [2], time.monotonic() + 1.0)

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import threading
 import time
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,17 @@ else:
 
 import aiohttp
 import vllm_server
-from vllm_server import LOGS, Outcome, Server, complete, free_port, kv_config, pd, prefill_step
+from vllm_server import (
+    LOGS,
+    Outcome,
+    Server,
+    complete,
+    free_port,
+    kv_config,
+    pd,
+    prefill_step,
+    start_all,
+)
 
 T = TypeVar("T")
 
@@ -123,25 +132,6 @@ class Canary:
         return [json.loads(line) for line in text.splitlines() if line]
 
 
-def start_both(*servers: Server) -> None:
-    """Start ``servers`` side by side (a start is mostly imports and one warm-up)."""
-    errors: list[BaseException] = []
-
-    def one(s: Server) -> None:
-        try:
-            s.start()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 @pytest.fixture(scope="module")
 def canary() -> Iterator[Canary]:
     path = LOGS / "vllm-canary"
@@ -161,7 +151,7 @@ def canary() -> Iterator[Canary]:
     # Other helpers' servers share the 2 cores: a start may take longer than usual.
     vllm_server.START_S = max(start_s, 600.0)
     try:
-        start_both(prefill, decode)
+        start_all([prefill, decode])
         yield c
     finally:
         vllm_server.START_S = start_s

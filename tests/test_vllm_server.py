@@ -25,7 +25,6 @@ import random
 import re
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from vllm_server import (
     kv_config,
     pd,
     prefill_step,
+    start_all,
     wait_healthy,
 )
 
@@ -107,25 +107,6 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name} log\n{s.log_tail(25)}" for s in self.servers)
-
-
-def start_all(servers: Sequence[Server]) -> None:
-    """Start ``servers`` side by side (a start is mostly imports and one warm-up)."""
-    errors: list[BaseException] = []
-
-    def one(s: Server) -> None:
-        try:
-            s.start()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture(scope="module")

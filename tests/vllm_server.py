@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -485,3 +486,22 @@ TABLE_HEADER = (
     "| scenario | requests | ok and equal | errors by kind | max s to outcome "
     "| servers idle after | note |\n|---|---|---|---|---|---|---|"
 )
+
+
+def start_all(servers: Sequence[Server]) -> None:
+    """Start ``servers`` side by side (a start is mostly imports and one warm-up)."""
+    errors: list[BaseException] = []
+
+    def one(s: Server) -> None:
+        try:
+            s.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
