@@ -229,6 +229,53 @@ def test_each_of_n_loads_of_one_prefill_request_gets_its_own_transfer(pair: Pair
     assert pair.sender.holding() == 0
 
 
+def test_a_group_pushed_steps_apart_keeps_its_hold_for_the_last_child(pair: Pair) -> None:
+    """vLLM may allocate n > 1 children steps apart: the first child's push
+    says 3, so its Result does not end the hold the later children need."""
+    pair.sender.hold("r1", [1, 2], time.monotonic() + 5)
+    pair.receiver.expect("d0", pair.sender.endpoint, "r1", [3, 4], time.monotonic() + 5, 3)
+    pair.until(lambda: "d0" in pair.outcomes)
+    time.sleep(0.1)  # a step or two of the decode
+    pair.poll()
+    assert pair.released == set() and pair.sender.holding() == 1
+    for i, dst in ((1, [5, 6]), (2, [7, 8])):
+        pair.receiver.expect(f"d{i}", pair.sender.endpoint, "r1", dst, time.monotonic() + 5, 3)
+    pair.until(lambda: len(pair.outcomes) == 3 and "r1" in pair.released)
+    assert [(k, o.ok, o.reason) for k, o in sorted(pair.outcomes.items())] == [
+        ("d0", True, ""),
+        ("d1", True, ""),
+        ("d2", True, ""),
+    ]
+    assert same(pair, [1, 2], [5, 6]) and same(pair, [1, 2], [7, 8])
+
+
+def test_a_forgotten_child_settles_its_group_and_a_late_abort_counts_once(pair: Pair) -> None:
+    """One child pushed (group 2), the other will never push: the hold ends
+    with the forget, not at its deadline. An abort of the load already
+    answered settles nothing more."""
+    pair.sender.hold("r1", [1], time.monotonic() + 30)
+    pair.sender.hold("r2", [2], time.monotonic() + 30)
+    pair.receiver.expect("d0", pair.sender.endpoint, "r1", [3], time.monotonic() + 5, 2)
+    pair.receiver.expect("e0", pair.sender.endpoint, "r2", [4], time.monotonic() + 5, 3)
+    pair.until(lambda: {"d0", "e0"} <= set(pair.outcomes))
+    pair.receiver.forget(pair.sender.endpoint, "r1")
+    pair.until(lambda: "r1" in pair.released)  # long before its 30 s deadline
+    # r2: its one answered load aborted again (a cancel that crossed its
+    # Result) and one forget: 1 + 1 of 3, so the third child still may push.
+    pair.receiver.forget(pair.sender.endpoint, "r2")
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.connect(pair.sender.endpoint)
+        sock.send(encode(Abort("r2", "e0")))
+        sock.recv()  # answered: "no transfer started" for this one
+    time.sleep(0.1)
+    pair.poll()
+    assert "r2" not in pair.released and pair.sender.holding() == 1
+    pair.receiver.expect("e1", pair.sender.endpoint, "r2", [5], time.monotonic() + 5, 3)
+    pair.until(lambda: "e1" in pair.outcomes and "r2" in pair.released)
+    assert (pair.outcomes["e1"].ok, pair.outcomes["e1"].reason) == (True, "")
+    assert same(pair, [2], [5])
+
+
 def test_an_id_reused_while_loading_is_ignored_and_the_first_load_lands(pair: Pair) -> None:
     pair.sender.hold("r1", [1], time.monotonic() + 5)
     pair.receiver.expect("d1", pair.sender.endpoint, "r1", [2], time.monotonic() + 5)

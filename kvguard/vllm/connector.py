@@ -27,7 +27,7 @@ models), CPU or CUDA tensors that are contiguous per layer.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -147,13 +147,35 @@ class _Settings:
 
 
 @dataclass
+class _Group:
+    """Decode requests that load one prefill request: n > 1 children, repeats.
+
+    vLLM adds every child before its next step but may allocate them steps
+    apart; the prefill holds its blocks until the whole group is settled.
+    """
+
+    waiting: set[str] = field(default_factory=set)  # arrived, not allocated, not finished
+    live: set[str] = field(default_factory=set)  # pushed, not finished
+    pushed: int = 0  # loads sent (each request pushes at most once)
+
+    def size(self) -> int:
+        """What a push tells the prefill: those that pushed or still may (the
+        prefill keeps the largest it heard, and counts forgets against it)."""
+        return self.pushed + len(self.waiting)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.live
+
+
+@dataclass
 class KVGuardMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
 
     # prefill: (request id, block ids, deadline as time.monotonic())
     holds: list[tuple[str, list[int], float]] = field(default_factory=list)
-    # decode: (request id, block ids, prefill endpoint, prefill request id, deadline)
-    loads: list[tuple[str, list[int], str, str, float]] = field(default_factory=list)
+    # decode: (request id, block ids, prefill endpoint, prefill request id,
+    # deadline, decode requests that load that prefill request: the group)
+    loads: list[tuple[str, list[int], str, str, float, int]] = field(default_factory=list)
     # decode: (prefill endpoint, prefill request id) never to be loaded
     forgets: list[tuple[str, str]] = field(default_factory=list)
     # decode: request ids aborted while their load runs
@@ -189,6 +211,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         # decode: requests seen waiting for blocks, not yet allocated:
         # id -> (endpoint, prefill id, renew interval, next renewal as time.monotonic())
         self._queued: dict[str, tuple[str, str, float, float]] = {}
+        # decode: the requests that load one prefill request (n > 1 children)
+        self._groups: dict[tuple[str, str], _Group] = {}
         # decode: tokens loaded, for the last _RECENT requests (inspection, tests)
         self.external_tokens: OrderedDict[str, int] = OrderedDict()
         # Worker side.
@@ -245,7 +269,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             every = self.settings.hold_s / 3
         every = max(every, 0.1)
         due = time.monotonic() + every
-        self._queued[request.request_id] = (params[P_ENDPOINT], params[P_REQUEST], every, due)
+        key = (params[P_ENDPOINT], params[P_REQUEST])
+        self._queued[request.request_id] = (*key, every, due)
+        self._groups.setdefault(key, _Group()).waiting.add(request.request_id)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -258,11 +284,17 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._queued.pop(request.request_id, None)
         endpoint, remote = params[P_ENDPOINT], params[P_REQUEST]
         if num_external_tokens <= 0:
-            self._meta.forgets.append((endpoint, remote))
+            self._not_loading(request.request_id, (endpoint, remote))
             return
         block_ids = blocks.get_unhashed_block_ids_all_groups()[0]
         deadline = time.monotonic() + self._deadline_s(params)
-        self._meta.loads.append((request.request_id, list(block_ids), endpoint, remote, deadline))
+        group = self._groups.setdefault((endpoint, remote), _Group())
+        size = group.size()  # before this request leaves "waiting"
+        group.waiting.discard(request.request_id)
+        group.live.add(request.request_id)
+        group.pushed += 1
+        load = (request.request_id, list(block_ids), endpoint, remote, deadline, size)
+        self._meta.loads.append(load)
         self._loading.add(request.request_id)
         self.external_tokens[request.request_id] = num_external_tokens
         while len(self.external_tokens) > _RECENT:
@@ -290,11 +322,12 @@ class KVGuardConnector(KVConnectorBase_V1):
             return False, None
         if not self.is_producer:
             if self._wants_load(params):
-                # Finished (aborted) before its blocks were allocated: the
-                # prefill holds its blocks for nothing; let it go now.
+                # Finished (aborted) before its blocks were allocated.
                 params["do_remote_prefill"] = False
-                self._meta.forgets.append((params[P_ENDPOINT], params[P_REQUEST]))
-            elif request.request_id in self._loading:
+                self._not_loading(request.request_id, (params[P_ENDPOINT], params[P_REQUEST]))
+            else:
+                self._ungroup(request.request_id, params)
+            if request.request_id in self._loading:
                 self._meta.cancels.append(request.request_id)  # vLLM waits for finished_recving
             return False, None
         if not params.get("do_remote_decode"):
@@ -313,6 +346,30 @@ class KVGuardConnector(KVConnectorBase_V1):
             P_DEADLINE: deadline_s,
             P_HOLD: hold_s,
         }
+
+    def _not_loading(self, rid: str, key: tuple[str, str]) -> None:
+        """``rid`` of ``key``'s group will never push. While the group has
+        pushed nothing and others wait, the later pushes carry the smaller
+        size; otherwise the prefill is told (an Abort without load id, which
+        the link delivers after every push sent before it)."""
+        group = self._groups.get(key)
+        if group is None:
+            self._meta.forgets.append(key)
+            return
+        group.waiting.discard(rid)
+        if group.pushed or not group.waiting:
+            self._meta.forgets.append(key)
+        if group.idle():
+            del self._groups[key]
+
+    def _ungroup(self, rid: str, params: dict[str, Any]) -> None:
+        """A decode request that pushed finished; its group ends with the last."""
+        key = (str(params.get(P_ENDPOINT)), str(params.get(P_REQUEST)))
+        group = self._groups.get(key)
+        if group is not None:
+            group.live.discard(rid)
+            if group.idle():
+                del self._groups[key]
 
     # ==== worker side =========================================================
 
@@ -404,11 +461,8 @@ class KVGuardConnector(KVConnectorBase_V1):
             for rid, blocks, deadline in meta.holds:
                 self.sender.hold(rid, blocks, deadline)
         if self.receiver is not None:
-            # n > 1: children of one request load one prefill request together.
-            groups = Counter((endpoint, remote) for _, _, endpoint, remote, _ in meta.loads)
-            for rid, blocks, endpoint, remote, deadline in meta.loads:
+            for rid, blocks, endpoint, remote, deadline, group in meta.loads:
                 self._load_blocks[rid] = blocks
-                group = groups[(endpoint, remote)]
                 self.receiver.expect(rid, endpoint, remote, blocks, deadline, group)
             for endpoint, remote in meta.forgets:
                 self.receiver.forget(endpoint, remote)

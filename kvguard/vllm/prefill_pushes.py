@@ -10,17 +10,19 @@
   request's KV into one load's blocks, ``Abort`` gives a load up.
 
 One held request may serve several loads (a decode's n > 1 children share
-one prefill request), each its own kvguard transfer, answered by its own
-``Result`` naming the load, and only once nothing writes that load's
-blocks: after kvguard's release callback (terminal AND every engine call
-quiesced), or at once when nothing was ever submitted for it. A load given
+one prefill request: its group, whose size each push carries), each its own
+kvguard transfer, answered by its own ``Result`` naming the load, and only
+once nothing writes that load's blocks: after kvguard's release callback
+(terminal AND every engine call quiesced), or at once when nothing was ever
+submitted for it. A decode request of the group that will never push says
+so (``Abort`` without a load id). A load given
 up before its push started is remembered (``_aborted``), so a push read
 later (a frozen prefill reads its socket on thaw) is refused, never served.
 
 Every held request ends in exactly one release to the engine, and only once
-nothing touches its blocks: when no load is in flight and as many were
-served as the decode asked for together, or the decode gave the request up,
-or its deadline passed.
+nothing touches its blocks: when no load is in flight and every decode
+request of the group was answered or said it will not push, or its
+deadline passed.
 
 A ``Push`` may overtake the engine's ``hold`` (vLLM tells the worker one
 step after the client already has the request's parameters): it waits, until
@@ -96,8 +98,14 @@ class _Held:
     deadline: float  # time.monotonic(); the hold ends then unless a load is in flight
     last: float  # the latest a renewal may push ``deadline`` to (time.monotonic())
     loads: dict[str, _Load] = field(default_factory=dict)  # load id -> in flight
-    served: int = 0  # loads answered after a transfer ran
-    group: int = 1  # loads the decode asked for together; the hold waits for as many
+    # Each decode request of the group loads at most once: answered or
+    # forgotten, it is settled. The hold waits for the whole group.
+    answered: set[str] = field(default_factory=set)  # load ids, transfer run or not
+    forgotten: int = 0  # decode requests of the group that will never push
+    group: int = 1  # the decode's group size: the largest a push said
+
+    def settled(self) -> bool:
+        return not self.loads and len(self.answered) + self.forgotten >= self.group
 
 
 @dataclass(slots=True)
@@ -294,7 +302,7 @@ class PrefillSender:
         elif held is None:
             what = f"request {ended}" if ended else "too many unknown requests"
             self._answer(ident, msg, "unknown_request", what)
-        elif msg.load_id in held.loads:
+        elif msg.load_id in held.loads or msg.load_id in held.answered:
             _log.warning("push_duplicate", request=rid, load=msg.load_id)
         else:
             self._start(rid, ident, msg)
@@ -305,10 +313,12 @@ class PrefillSender:
             if held is None:
                 return  # ended: the decode's push will hear why
             until = min(time.monotonic() + self._renew_s, held.last)
-            if until > held.deadline:
-                held.deadline = until
-                heapq.heappush(self._deadlines, (until, rid, ""))
-                self.stats.renewed += 1
+            if until <= held.deadline:
+                return
+            held.deadline = until
+            heapq.heappush(self._deadlines, (until, rid, ""))
+            self.stats.renewed += 1
+        _log.debug("hold_renewed", request=rid)
 
     def _answer(self, ident: bytes, push: Push, reason: str, detail: str) -> None:
         """A push that started nothing: nothing of ours writes its blocks."""
@@ -364,7 +374,8 @@ class PrefillSender:
             with self._lock:
                 self.stats.refused += 1
             result = Result(rid, push.load_id, False, type(exc).__name__, truncate(str(exc)))
-            self._load_over(rid, push.load_id, result, served=False)
+            # Refused, it settles nothing: another decode may still ask in time.
+            self._load_over(rid, push.load_id, result, settles=False)
             return
         with self._lock:
             self.stats.pushed += 1
@@ -380,11 +391,12 @@ class PrefillSender:
             else:
                 self.stats.failed += 1
                 self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
-        self._load_over(rid, load_id, Result(rid, load_id, ok, reason, detail), served=True)
+        self._load_over(rid, load_id, Result(rid, load_id, ok, reason, detail))
 
-    def _load_over(self, rid: str, load_id: str, result: Result, *, served: bool) -> None:
+    def _load_over(self, rid: str, load_id: str, result: Result, *, settles: bool = True) -> None:
         """``load_id`` ended and nothing writes its blocks: answer it, and end
-        the hold once no other load is in flight."""
+        the hold once its group is settled (or its deadline passed) and no
+        other load is in flight."""
         with self._lock:
             held = self._held.get(rid)
             load = None if held is None else held.loads.pop(load_id, None)
@@ -394,28 +406,23 @@ class PrefillSender:
             self._outbox.append((load.ident, encode(result)))
             if load.peer:
                 self._peer_loads[load.peer] -= 1
-            held.served += served
-            last = not held.loads and (
-                held.served >= held.group or held.deadline <= time.monotonic()
-            )
+            if settles:
+                held.answered.add(load_id)
+            last = held.settled() or (not held.loads and held.deadline <= time.monotonic())
         if last:
             self._end(rid, "done" if result.ok else f"failed:{result.reason}")
 
     def _abort(self, ident: bytes, rid: str, load_id: str) -> None:
         """The decode gave up ``load_id``: answered once nothing writes its
-        blocks. With no load id, one decode request will never load ``rid``:
-        the hold ends if no other load of it is in flight or waiting."""
+        blocks. With no load id, one decode request of ``rid``'s group will
+        never push. Either settles one request of the group; the hold ends
+        once the whole group is settled and nothing is in flight or waiting."""
         if not load_id:
             with self._lock:
                 held = self._held.get(rid)
-                waiting = any(k[0] == rid for k in self._early) or any(
-                    s[0] == rid for s in self._starts
-                )
-                idle = held is not None and not held.loads and not waiting
-            if idle:
-                with self._lock:
-                    self.stats.aborted += 1
-                self._end(rid, "aborted")
+                if held is not None:
+                    held.forgotten += 1
+            self._end_if_settled(rid)
             return
         dropped: list[tuple[bytes, Push]] = []
         with self._lock:
@@ -434,7 +441,8 @@ class PrefillSender:
                 self._aborted.popitem(last=False)
             held = self._held.get(rid)
             load = None if held is None else held.loads.get(load_id)
-            idle = held is not None and not held.loads
+            if held is not None and load is None:
+                held.answered.add(load_id)  # not in flight: answered below or before
         for ident_, push in dropped:
             self._answer(ident_, push, "aborted", "given up before its push started")
         if load is not None:  # its release callback answers it
@@ -445,9 +453,18 @@ class PrefillSender:
             return
         if not dropped:  # nothing of this load was ever started here
             self._reply(ident, Result(rid, load_id, False, "aborted", "no transfer started"))
-        if idle:
-            with self._lock:
+        self._end_if_settled(rid)
+
+    def _end_if_settled(self, rid: str) -> None:
+        with self._lock:
+            held = self._held.get(rid)
+            waiting = any(k[0] == rid for k in self._early) or any(
+                s[0] == rid for s in self._starts
+            )
+            settled = held is not None and held.settled() and not waiting
+            if settled:
                 self.stats.aborted += 1
+        if settled:
             self._end(rid, "aborted")
 
     def _end(self, rid: str, how: str) -> None:

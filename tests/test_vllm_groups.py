@@ -1,0 +1,173 @@
+"""The decode scheduler's load groups: n > 1 children load one prefill request.
+
+vLLM splits a request with n > 1 into n engine requests that share one
+``kvguard_request_id``. They arrive together but the scheduler may allocate
+them steps apart (token budget, free blocks): each load must still tell the
+prefill the whole group, or the prefill ends its hold after the first child
+and the others get ``unknown_request``. Runs the real scheduler-side
+connector in ``.venv-vllm``; the requests are the fields vLLM's scheduler
+hands it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
+else:
+    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
+
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
+
+from kvguard.vllm.connector import KVGuardConnector, KVGuardMetadata
+
+pytestmark = [pytest.mark.vllm]
+
+ENDPOINT = "tcp://127.0.0.1:17600"
+
+
+@pytest.fixture(scope="module")
+def connector() -> Iterator[KVGuardConnector]:
+    kv = KVTransferConfig(
+        kv_connector="KVGuardConnector",
+        kv_connector_module_path="kvguard.vllm.connector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={},
+    )
+    yield KVGuardConnector(VllmConfig(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
+
+
+def request(rid: str, remote: str) -> Any:
+    params = {
+        "do_remote_prefill": True,
+        "kvguard_endpoint": ENDPOINT,
+        "kvguard_request_id": remote,
+        "kvguard_deadline_s": 10.0,
+        "kvguard_hold_s": 30.0,
+    }
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=list(range(40)),
+        status=RequestStatus.WAITING,
+    )
+
+
+def blocks(*ids: int) -> Any:
+    return SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: [list(ids)])
+
+
+def allocate(c: KVGuardConnector, req: Any, *ids: int) -> None:
+    c.update_state_after_alloc(req, blocks(*ids), 40)
+
+
+def step(c: KVGuardConnector) -> KVGuardMetadata:
+    meta = c.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]
+    assert isinstance(meta, KVGuardMetadata)
+    return meta
+
+
+def finish(c: KVGuardConnector, req: Any) -> None:
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(req, []) == (False, None)
+
+
+def test_children_allocated_steps_apart_each_carry_the_whole_group(
+    connector: KVGuardConnector,
+) -> None:
+    c = connector
+    children = [request(f"{i}_cmpl-a", "prefill-a") for i in range(4)]
+    for child in children:
+        c.on_new_request(child)  # vLLM adds every child before its next step
+    allocate(c, children[0], 1, 2)
+    first = step(c)
+    for i, child in enumerate(children[1:], start=1):
+        allocate(c, child, 2 * i + 1, 2 * i + 2)
+    rest = step(c)
+    got = [(rid, ids, ep, remote, group) for rid, ids, ep, remote, _, group in first.loads]
+    assert got == [("0_cmpl-a", [1, 2], ENDPOINT, "prefill-a", 4)]
+    assert [(load[0], load[5]) for load in rest.loads] == [
+        ("1_cmpl-a", 4),
+        ("2_cmpl-a", 4),
+        ("3_cmpl-a", 4),
+    ]
+    for child in children:
+        finish(c, child)
+    assert c._groups == {}, "finished groups must not stay behind"
+
+
+def test_a_later_request_for_the_same_prefill_request_is_a_group_of_its_own(
+    connector: KVGuardConnector,
+) -> None:
+    """A repeated submission after the first finished: the prefill answers it
+    (``unknown_request``: its hold ended), never the first load's Result."""
+    c = connector
+    one, two = request("cmpl-b1", "prefill-b"), request("cmpl-b2", "prefill-b")
+    c.on_new_request(one)
+    allocate(c, one, 7)
+    assert [load[5] for load in step(c).loads] == [1]
+    finish(c, one)
+    c.on_new_request(two)
+    allocate(c, two, 8)
+    assert [(load[0], load[5]) for load in step(c).loads] == [("cmpl-b2", 1)]
+    finish(c, two)
+    assert c._groups == {}
+
+
+def test_a_child_aborted_before_any_push_shrinks_the_group_it_never_joins(
+    connector: KVGuardConnector,
+) -> None:
+    c = connector
+    kept, dropped = request("0_cmpl-c", "prefill-c"), request("1_cmpl-c", "prefill-c")
+    c.on_new_request(kept)
+    c.on_new_request(dropped)
+    dropped.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(dropped, []) == (False, None)
+    allocate(c, kept, 3)
+    meta = step(c)
+    # Nothing was pushed yet: the prefill need not hear of it, the push says 1.
+    assert meta.forgets == []
+    assert [(load[0], load[5]) for load in meta.loads] == [("0_cmpl-c", 1)]
+    finish(c, kept)
+    assert c._groups == {}
+
+
+def test_a_child_aborted_after_a_sibling_pushed_is_forgotten_at_the_prefill(
+    connector: KVGuardConnector,
+) -> None:
+    """The sibling's push said 2: the prefill counts the forget against it
+    (sent after the push on the same link), so its hold ends with the push."""
+    c = connector
+    pushed, dropped = request("0_cmpl-d", "prefill-d"), request("1_cmpl-d", "prefill-d")
+    c.on_new_request(pushed)
+    c.on_new_request(dropped)
+    allocate(c, pushed, 4)
+    first = step(c)
+    assert [(load[0], load[5]) for load in first.loads] == [("0_cmpl-d", 2)]
+    assert first.forgets == []
+    dropped.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(dropped, []) == (False, None)
+    assert step(c).forgets == [(ENDPOINT, "prefill-d")]
+    finish(c, pushed)
+    assert c._groups == {}
+
+
+def test_a_lone_request_aborted_before_allocation_is_forgotten_at_once(
+    connector: KVGuardConnector,
+) -> None:
+    c = connector
+    alone = request("cmpl-e", "prefill-e")
+    c.on_new_request(alone)
+    alone.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(alone, []) == (False, None)
+    meta = step(c)
+    assert (meta.forgets, meta.loads) == ([(ENDPOINT, "prefill-e")], [])
+    assert c._groups == {}
