@@ -264,9 +264,12 @@ def test_a_forgotten_child_settles_its_group_and_a_late_abort_counts_once(pair: 
     # Result) and one forget: 1 + 1 of 3, so the third child still may push.
     pair.receiver.forget(pair.sender.endpoint, "r2")
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a hang guard, not a speed figure
         sock.connect(pair.sender.endpoint)
         sock.send(encode(Abort("r2", "e0")))
-        sock.recv()  # answered: "no transfer started" for this one
+        res = decode_from_prefill(sock.recv())
+        assert isinstance(res, Result)
+        assert (res.load_id, res.ok, res.reason) == ("e0", False, "aborted"), res
     time.sleep(0.1)
     pair.poll()
     assert "r2" not in pair.released and pair.sender.holding() == 1
