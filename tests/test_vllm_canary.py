@@ -51,6 +51,7 @@ import aiohttp
 import vllm_server
 from vllm_server import (
     LOGS,
+    SERVES_KV,
     Outcome,
     Server,
     complete,
@@ -352,7 +353,7 @@ def assert_idle_and_serving(c: Canary, seed: int) -> None:
     async def go() -> tuple[Outcome, Outcome]:
         async with aiohttp.ClientSession() as http:
             ref, _ = await complete(http, c.decode, prompt, PD_TOKENS)
-            return ref, await pd(http, c.prefill, c.decode, prompt, PD_TOKENS)
+            return ref, await pd(http, c.prefill, c.decode, prompt, PD_TOKENS, kv=SERVES_KV)
 
     ref, got = run(go())
     assert ref.kind == "ok", ref

@@ -42,6 +42,7 @@ from vllm_server import (
     BIN,
     LOGS,
     ROOT,
+    SERVES_KV,
     TABLE_HEADER,
     Outcome,
     Proxy,
@@ -194,7 +195,7 @@ def settle(c: Cluster, row: Row) -> None:
 
         async def check(d: Server = decode) -> Outcome:
             async with aiohttp.ClientSession() as http:
-                return await pd(http, c.prefill, d, prompt, MAX_TOKENS)
+                return await pd(http, c.prefill, d, prompt, MAX_TOKENS, kv=SERVES_KV)
 
         got = run(check())
         served = got.kind == "ok" and got.tokens == list(want)

@@ -43,6 +43,10 @@ MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-ll
 LOGS = ROOT / ".venv-vllm"
 BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
 START_S = 300.0  # a server's start on a loaded 2-core machine
+# A "still serves" check asks for the longest deadline the servers allow
+# (kvguard_max_deadline_s): it checks that the decode serves, and must ride
+# out vLLM's own stalled steps (docs/vllm.md, "Known vLLM issue").
+SERVES_KV: dict[str, Any] = {"kvguard_deadline_s": 60.0}
 
 SMALL = [
     "--skip-tokenizer-init",
@@ -424,10 +428,10 @@ async def ask(
 
 
 async def prefill_step(
-    http: aiohttp.ClientSession, prefill: Server, prompt: Sequence[int]
+    http: aiohttp.ClientSession, prefill: Server, prompt: Sequence[int], **kv: Any
 ) -> tuple[Outcome, dict[str, Any] | None]:
-    """The toy proxy's prefill leg: max_tokens 1, its kv_transfer_params."""
-    return await complete(http, prefill, prompt, 1, dict(TOY_PREFILL_PARAMS))
+    """The toy proxy's prefill leg: max_tokens 1, its kv_transfer_params (plus ``kv``)."""
+    return await complete(http, prefill, prompt, 1, {**TOY_PREFILL_PARAMS, **kv})
 
 
 async def pd(
@@ -437,10 +441,12 @@ async def pd(
     prompt: Sequence[int],
     max_tokens: int,
     timeout_s: float = 60.0,
+    kv: dict[str, Any] | None = None,
     **extra: Any,
 ) -> Outcome:
-    """The PD proxy's two steps for one prompt; the decode's outcome (``extra`` on the decode)."""
-    first, params = await prefill_step(http, prefill, prompt)
+    """The PD proxy's two steps for one prompt; the decode's outcome (``kv`` goes
+    into the prefill's kv_transfer_params, ``extra`` on the decode)."""
+    first, params = await prefill_step(http, prefill, prompt, **(kv or {}))
     if first.status != 200 or params is None:
         return first
     out, _ = await complete(http, decode, prompt, max_tokens, params, timeout_s, **extra)
