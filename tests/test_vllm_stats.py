@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllm_server import MODEL, Server, complete, free_port, kv_config, pd
+from vllm_server import MODEL, SERVES_KV, Server, complete, free_port, kv_config, pd
 
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.decode_loads import LoadOutcome
@@ -540,7 +540,11 @@ def test_servers_export_kvguards_figures_on_metrics(servers: tuple[Server, Serve
 
     async def run() -> tuple[list[int], int]:
         async with aiohttp.ClientSession() as http:
-            statuses = [(await pd(http, prefill, decode, p, 4)).status for p in prompts]
+            # The longest deadline: vLLM's own stalled steps (docs/vllm.md) must not
+            # fail a load whose figures the test counts.
+            statuses = [
+                (await pd(http, prefill, decode, p, 4, kv=SERVES_KV)).status for p in prompts
+            ]
             params = {
                 "do_remote_prefill": True,
                 "kvguard_endpoint": f"tcp://127.0.0.1:{nowhere}",
