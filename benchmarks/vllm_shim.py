@@ -292,7 +292,8 @@ def _kvguard_sender(mod: ModuleType) -> None:
         sink.event("submitted", request=rid, start=t0)
         return out
 
-    def on_release(fn: Any, self: Any, rid: str, fin: Any) -> Any:
+    def on_release(fn: Any, self: Any, rid: str, *args: Any) -> Any:
+        fin = args[-1]  # (load id, transfer id, Finished) since n > 1 loads
         sink.event(
             "released",
             request=rid,
@@ -300,7 +301,7 @@ def _kvguard_sender(mod: ModuleType) -> None:
             nbytes=fin.nbytes,
             engine_s=fin.latency_s,
         )
-        return fn(self, rid, fin)
+        return fn(self, rid, *args)
 
     def flush(fn: Any, self: Any) -> Any:
         with self._lock:
