@@ -91,6 +91,17 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
+def test_a_receiver_with_no_prefill_linked_waits_instead_of_spinning(pair: Pair) -> None:
+    """ZeroMQ's poll returns at once when nothing is registered: the receiver
+    waits on its inbox then (a busy loop holds the GIL the engine's own
+    thread needs, on every idle decode worker). A 5 ms turn makes about 100
+    turns in 0.5 s; the busy loop made over 50,000."""
+    assert pair.receiver.links() == 0
+    before = pair.receiver.steps
+    time.sleep(0.5)
+    assert 0 < pair.receiver.steps - before <= 200
+
+
 def test_push_lands_and_both_sides_report_once(pair: Pair) -> None:
     src, dst = [1, 2, 3], [9, 4, 11]
     pair.sender.hold("r1", src, time.monotonic() + 5)

@@ -28,6 +28,7 @@ a link idle for ``IDLE_LINK_S`` is closed too.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -128,13 +129,16 @@ class DecodeReceiver:
         heartbeat_timeout_s: float = 3.0,
         margin_s: float = 0.25,
         compat: str = "",
+        heads: tuple[int, int] = (0, 0),
     ) -> None:
         """``peer``: what this side advertises (Mooncake session, layout,
         regions). ``margin_s``: the prefill is told to finish that much
         before this side's deadline, so its verdict arrives in time.
-        ``compat``: this side's KV layout fingerprint, sent with each push."""
+        ``compat``: this side's KV layout fingerprint, and ``heads`` (first,
+        count) the KV heads its blocks hold, sent with each push."""
         self._peer = peer
         self._compat = compat
+        self._heads = heads
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
         self._margin_s = margin_s
@@ -145,6 +149,7 @@ class DecodeReceiver:
         self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
         self._links: dict[str, _Link] = {}  # receiver thread only
         self._waits: dict[str, _Wait] = {}  # receiver thread only
+        self.steps = 0  # receiver thread loop turns (a few hundred a second at most)
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
@@ -226,13 +231,19 @@ class DecodeReceiver:
             self._ctx.term()
 
     def _step(self, poller: zmq.Poller) -> None:
+        if not self._links:
+            # ZeroMQ's poll returns at once with nothing to poll (a busy loop
+            # holding the GIL the engine's thread needs): wait on the inbox.
+            with contextlib.suppress(queue.Empty):
+                self._command(poller, *self._inbox.get(timeout=_POLL_MS / 1000))
         while True:
             try:
                 kind, args = self._inbox.get_nowait()
             except queue.Empty:
                 break
             self._command(poller, kind, args)
-        ready = dict(poller.poll(_POLL_MS))
+        ready = dict(poller.poll(_POLL_MS)) if self._links else {}
+        self.steps += 1
         for endpoint, link in list(self._links.items()):
             if ready.get(link.monitor):
                 self._monitor(poller, endpoint, link)
@@ -295,7 +306,10 @@ class DecodeReceiver:
             link.used = now
             link.waits.add(rid)
             expires = time.time() + left
-            push = Push(remote_id, rid, blocks, self._peer, expires, self._compat, group)
+            first, count = self._heads
+            push = Push(
+                remote_id, rid, blocks, self._peer, expires, self._compat, group, first, count
+            )
             self._send(link, encode(push))
         elif kind == "cancel":
             (rid,) = args

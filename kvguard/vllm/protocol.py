@@ -46,6 +46,7 @@ _MAX_ID: Final = 512
 
 _RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+_Heads = Annotated[int, msgspec.Meta(ge=0, le=(1 << 16))]
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -64,7 +65,10 @@ class Push(_Message, frozen=True, tag="push"):
     clock (``time.time()``): the prefill starts nothing for this push after
     it, however late the push is read (a frozen prefill reads it on thaw).
     ``compat`` is the decode's KV layout fingerprint; the prefill refuses a
-    push whose layout is not its own.
+    push whose layout is not its own. ``first_head`` and ``head_count`` are
+    the KV heads the decode rank holds (tensor parallel, ``ranks``); the
+    prefill rank writes the heads both hold, or whole blocks where they hold
+    the same (``head_count`` 0: whatever the prefill holds).
     """
 
     request_id: _RequestId
@@ -76,6 +80,8 @@ class Push(_Message, frozen=True, tag="push"):
     # Loads of ``request_id`` this decode asked for together (its n > 1
     # children scheduled in one step): the hold waits for all of them.
     group: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST_LEN)] = 1
+    first_head: _Heads = 0
+    head_count: _Heads = 0
 
 
 class Abort(_Message, frozen=True, tag="abort"):
