@@ -998,6 +998,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
     reexec_in_vllm_env(argv)
+    # SIGTERM unwinds like ^C: every server session started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     connectors = [c for c in args.connectors.split(",") if c]
     unknown = sorted(set(connectors) - set(CONNECTORS))
     if unknown:

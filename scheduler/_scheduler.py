@@ -37,7 +37,7 @@ import structlog
 from lifecycle import FailureReason, Journal, RequestLifecycle, TransferState
 from transfer import PeerInfo, PeerLost, TransferBackend, TransferError, TransferPlan
 from transfer.cache import KVCache
-from transfer.plan import DEFAULT_MAX_BATCH_ENTRIES, build_plan
+from transfer.plan import DEFAULT_MAX_BATCH_ENTRIES, BlockSlice, build_plan
 
 from ._core import SchedulerCore, StepResult
 from ._drivers import CallbackRunner, Prober, ThreadDriver, run_async
@@ -257,8 +257,10 @@ class Scheduler:
         deadline_s: float | None = None,
         priority: int = 0,
         release: ReleaseCallback | None = None,
+        part: BlockSlice | None = None,
     ) -> RequestLifecycle:
-        """Queue a transfer and return its lifecycle.
+        """Queue a transfer and return its lifecycle (``part``: a slice of each
+        block, see ``transfer.BlockSlice``; whole blocks without).
 
         Raises (leaving no state behind) ``InvalidRequest``, ``UnknownPeer``,
         ``DuplicateRequest``, ``SchedulerClosed``, ``DriverFailed`` or
@@ -288,6 +290,7 @@ class Scheduler:
                     src_blocks,
                     dst_blocks,
                     max_batch_entries=self.max_batch_entries,
+                    part=part,
                 )
             req = core.new_request(
                 request_id,

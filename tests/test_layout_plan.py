@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transfer import (
     DEFAULT_MAX_BATCH_ENTRIES,
     MAX_BATCH_ENTRIES_LIMIT,
+    BlockSlice,
     InvalidPlan,
     KVCache,
     KVLayout,
@@ -502,3 +503,92 @@ def test_invalid_inputs_always_raise(
     for planner in (build_plan, plan_entries_naive):
         with pytest.raises(InvalidPlan):
             planner(src, peer, srcs, dsts, max_batch_entries=limit)  # type: ignore[arg-type]
+
+
+# -- slices of blocks (tensor parallel ranks of different sizes) -------------------
+
+
+@st.composite
+def slice_inputs(draw: st.DrawFn) -> tuple[KVLayout, KVLayout, list[int], list[int], BlockSlice]:
+    """Two caches whose blocks hold different head ranges: ``unit`` bytes a
+    head, ``hs`` heads a source block, ``hd`` a destination block."""
+    unit, hs, hd = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    count = draw(st.integers(1, min(hs, hd)))
+    src_head, dst_head = draw(st.integers(0, hs - count)), draw(st.integers(0, hd - count))
+    layers, split = draw(st.integers(1, 3)), draw(st.booleans())
+    src = KVLayout(layers, draw(st.integers(1, 12)), hs * unit, kv_split=split)
+    dst = KVLayout(layers, draw(st.integers(1, 12)), hd * unit, kv_split=split)
+    n = draw(st.integers(1, dst.num_blocks))
+    dst_blocks = draw(
+        st.one_of(
+            st.permutations(range(dst.num_blocks)).map(lambda p: list(p[:n])),
+            st.integers(0, dst.num_blocks - n).map(lambda s: list(range(s, s + n))),
+        )
+    )
+    src_blocks = draw(st.lists(st.integers(0, src.num_blocks - 1), min_size=n, max_size=n))
+    part = BlockSlice(src_head * unit, dst_head * unit, count * unit)
+    return src, dst, src_blocks, dst_blocks, part
+
+
+@given(slice_inputs(), st.sampled_from([1, 3, MAX_BATCH_ENTRIES_LIMIT]))
+def test_a_slice_plan_copies_exactly_that_slice_of_each_block(
+    case: tuple[KVLayout, KVLayout, list[int], list[int], BlockSlice], limit: int
+) -> None:
+    src_layout, dst_layout, src_blocks, dst_blocks, part = case
+    src, dst = KVCache(src_layout), KVCache(dst_layout)
+    peer = dst.peer_info("p")
+    expected = {
+        dst.block_addr(i, d) + part.dst_offset + k: src.block_addr(i, s) + part.src_offset + k
+        for i in range(src_layout.num_buffers)
+        for s, d in zip(src_blocks, dst_blocks, strict=True)
+        for k in range(part.length)
+    }
+    for planner in (build_plan, plan_entries_naive):
+        plan = planner(src, peer, src_blocks, dst_blocks, max_batch_entries=limit, part=part)
+        assert _byte_map(plan) == expected
+        assert plan.nbytes == len(expected)
+        assert plan.num_blocks == len(src_blocks)
+        assert all(1 <= len(b.lengths) <= limit for b in plan.batches)
+
+
+def test_a_whole_block_slice_coalesces_like_no_slice() -> None:
+    src, peer = _pair()
+    whole = build_plan(src, peer, [0, 1, 2], [4, 5, 6], part=BlockSlice(0, 0, 32))
+    assert whole == build_plan(src, peer, [0, 1, 2], [4, 5, 6])
+    assert whole.num_entries == LAYOUT.num_buffers
+    half = build_plan(src, peer, [0, 1, 2], [4, 5, 6], part=BlockSlice(16, 0, 16))
+    assert half.num_entries == 3 * LAYOUT.num_buffers  # slices of neighbours are not contiguous
+    assert half.nbytes == 3 * 16 * LAYOUT.num_buffers
+
+
+def test_slices_may_join_blocks_of_different_sizes_only() -> None:
+    src = KVCache(dataclasses.replace(LAYOUT, block_bytes=16))
+    peer = KVCache(LAYOUT).peer_info("peer:1")
+    with pytest.raises(InvalidPlan, match="block_bytes is 16 on the source, 32 on peer peer:1"):
+        build_plan(src, peer, [0], [0])
+    plan = build_plan(src, peer, [0], [3], part=BlockSlice(0, 16, 16))
+    assert plan.batches[0].dst[0] == peer.block_base[0] + 3 * 32 + 16
+    other = KVCache(dataclasses.replace(LAYOUT, block_bytes=16, num_layers=3))
+    with pytest.raises(InvalidPlan, match="num_layers is 3 on the source, 2 on peer peer:1"):
+        build_plan(other, peer, [0], [0], part=BlockSlice(0, 16, 16))
+
+
+@pytest.mark.parametrize(
+    ("part", "match"),
+    [
+        (BlockSlice(0, 0, 0), r"BlockSlice\(src_offset=0, dst_offset=0, length=0\) needs int"),
+        (BlockSlice(0, 1.0, 4), "needs int offsets"),  # type: ignore[arg-type]
+        (BlockSlice(0, True, 4), "needs int offsets"),
+        (BlockSlice(17, 0, 16), "does not fit the source's 32-byte blocks"),
+        (BlockSlice(-1, 0, 16), "does not fit the source's 32-byte blocks"),
+        (BlockSlice(0, 20, 16), "does not fit the destination's 32-byte blocks"),
+        (BlockSlice(0, -4, 16), "does not fit the destination's 32-byte blocks"),
+        ((0, 0, 16), "part must be a BlockSlice, got tuple"),
+    ],
+)
+def test_plan_rejects_bad_slices(part: BlockSlice, match: str) -> None:
+    src, peer = _pair()
+    for planner in (build_plan, plan_entries_naive):
+        with pytest.raises(InvalidPlan, match=match):
+            planner(src, peer, [0], [0], part=part)
+    assert build_plan(src, peer, [0], [0], part=BlockSlice(16, 16, 16)).nbytes == 16 * 4

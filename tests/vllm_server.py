@@ -140,6 +140,7 @@ class Server:
     kv: dict[str, Any] | None = None
     args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the defaults below
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -158,6 +159,7 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps(self.kv)]
         env = dict(os.environ, MC_FORCE_TCP="1", VLLM_CPU_KVCACHE_SPACE="1")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+        env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
         with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
             self.proc = subprocess.Popen(

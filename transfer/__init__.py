@@ -36,6 +36,7 @@ _EXPORTS = {
     ".mooncake": ("MooncakeBackend",),
     ".peer_protocol": ("block_digests", "peer_info_from_message", "peer_info_to_message"),
     ".plan": (
+        "BlockSlice",
         "DEFAULT_MAX_BATCH_ENTRIES",
         "MAX_BATCH_ENTRIES_LIMIT",
         "build_plan",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_lazy.py: they
     from .peer_protocol import peer_info_to_message as peer_info_to_message
     from .plan import DEFAULT_MAX_BATCH_ENTRIES as DEFAULT_MAX_BATCH_ENTRIES
     from .plan import MAX_BATCH_ENTRIES_LIMIT as MAX_BATCH_ENTRIES_LIMIT
+    from .plan import BlockSlice as BlockSlice
     from .plan import build_plan as build_plan
     from .plan import plan_entries_naive as plan_entries_naive
     from .regions import Region as Region

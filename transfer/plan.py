@@ -18,6 +18,7 @@ one region.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,7 @@ from .regions import RegionIndex
 __all__ = [
     "DEFAULT_MAX_BATCH_ENTRIES",
     "MAX_BATCH_ENTRIES_LIMIT",
+    "BlockSlice",
     "build_plan",
     "plan_entries_naive",
 ]
@@ -51,6 +53,28 @@ _Run = tuple[int, int, int]
 _ADDR_LIMIT = 1 << 63
 
 
+@dataclass(frozen=True)
+class BlockSlice:
+    """Part of every block a plan copies: ``length`` bytes at ``src_offset`` of
+    each source block go to ``dst_offset`` of its destination block.
+
+    Tensor parallel ranks of different sizes hold different head ranges of one
+    block (heads outermost in it): one rank's share of a peer's block is a
+    slice, and whole blocks may differ in size between the two sides. Only
+    whole blocks coalesce across neighbours; a slice is one entry per block
+    and buffer.
+    """
+
+    src_offset: int  # >= 0; src_offset + length <= the source's block_bytes
+    dst_offset: int  # >= 0; dst_offset + length <= the peer's block_bytes
+    length: int  # > 0
+
+
+# How one block maps onto the other side: (source block size, destination
+# block size, source offset, destination offset, bytes copied per block).
+_Cut = tuple[int, int, int, int, int]
+
+
 def build_plan(
     src: KVCache,
     peer: PeerInfo,
@@ -58,18 +82,21 @@ def build_plan(
     dst_blocks: Sequence[int],
     *,
     max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+    part: BlockSlice | None = None,
 ) -> TransferPlan:
-    """Plan copying ``src`` block ``src_blocks[i]`` to peer block ``dst_blocks[i]``.
+    """Plan copying ``src`` block ``src_blocks[i]`` to peer block ``dst_blocks[i]``
+    (with ``part``, that slice of each block; without, whole blocks of one size).
 
     Raises InvalidPlan (RemoteRangeRejected for ranges outside the peer's
     regions) naming the offending value; never returns a partial plan.
     """
-    _validate(src, peer, src_blocks, dst_blocks, max_batch_entries)
+    cut = _validate(src, peer, src_blocks, dst_blocks, max_batch_entries, part)
     if len(src_blocks) == 1:  # a tiny request: same plan, without sorting or coalescing
-        return _assemble_one(src, peer, src_blocks[0], dst_blocks[0], max_batch_entries)
-    return _assemble(
-        src, peer, _coalesce(src_blocks, dst_blocks), len(src_blocks), max_batch_entries
-    )
+        return _assemble_one(src, peer, src_blocks[0], dst_blocks[0], max_batch_entries, cut)
+    runs = _coalesce(src_blocks, dst_blocks)
+    if not _whole(cut):  # slices of neighbouring blocks are not contiguous
+        runs = [(s + k, d + k, 1) for s, d, n in runs for k in range(n)]
+    return _assemble(src, peer, runs, len(src_blocks), max_batch_entries, cut)
 
 
 def plan_entries_naive(
@@ -78,14 +105,20 @@ def plan_entries_naive(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES,
+    part: BlockSlice | None = None,
 ) -> TransferPlan:
     """The uncoalesced baseline: one entry per block per buffer, in the given order.
 
     Same validation as ``build_plan``; benchmarks compare the two.
     """
-    _validate(src, peer, src_blocks, dst_blocks, max_batch_entries)
+    cut = _validate(src, peer, src_blocks, dst_blocks, max_batch_entries, part)
     runs = [(s, d, 1) for s, d in zip(src_blocks, dst_blocks, strict=True)]
-    return _assemble(src, peer, runs, len(src_blocks), max_batch_entries)
+    return _assemble(src, peer, runs, len(src_blocks), max_batch_entries, cut)
+
+
+def _whole(cut: _Cut) -> bool:
+    src_size, dst_size, src_off, dst_off, length = cut
+    return src_off == dst_off == 0 and src_size == dst_size == length
 
 
 # -- validation ----------------------------------------------------------------
@@ -97,7 +130,8 @@ def _validate(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     max_batch_entries: int,
-) -> None:
+    part: BlockSlice | None = None,
+) -> _Cut:
     if not _is_int(max_batch_entries) or not 1 <= max_batch_entries <= MAX_BATCH_ENTRIES_LIMIT:
         raise InvalidPlan(
             f"max_batch_entries must be an int in [1, {MAX_BATCH_ENTRIES_LIMIT}], "
@@ -111,12 +145,13 @@ def _validate(
     mine, theirs = src.layout, peer.layout
     if not isinstance(theirs, KVLayout):
         raise InvalidPlan(f"peer {sid} advertised no KVLayout: {theirs!r}", peer=sid)
-    for field in ("num_layers", "block_bytes", "kv_split"):
+    for field in ("num_layers", "kv_split") if part else ("num_layers", "block_bytes", "kv_split"):
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
             raise InvalidPlan(
                 f"incompatible layouts: {field} is {a} on the source, {b} on peer {sid}", peer=sid
             )
+    cut = _cut_of(part, mine.block_bytes, theirs.block_bytes, sid)
     if len(peer.block_base) != theirs.num_buffers:
         raise InvalidPlan(
             f"peer {sid} advertised {len(peer.block_base)} buffer bases, "
@@ -154,6 +189,23 @@ def _validate(
     # Source ranges need no region check: the source regions are the source
     # buffers themselves and every block id was just checked against them.
     _check_peer_regions(peer, min(dst_blocks), max(dst_blocks), dst_blocks)
+    return cut
+
+
+def _cut_of(part: BlockSlice | None, src_size: int, dst_size: int, sid: str) -> _Cut:
+    if part is None:
+        return (src_size, dst_size, 0, 0, src_size)
+    if not isinstance(part, BlockSlice):
+        raise InvalidPlan(f"part must be a BlockSlice, got {type(part).__name__}", peer=sid)
+    src_off, dst_off, length = part.src_offset, part.dst_offset, part.length
+    if not all(map(_is_int, (src_off, dst_off, length))) or length <= 0:
+        raise InvalidPlan(f"{part} needs int offsets and a length > 0", peer=sid)
+    for side, off, size in (("source", src_off, src_size), ("destination", dst_off, dst_size)):
+        if not 0 <= off <= size - length:
+            raise InvalidPlan(
+                f"{part} does not fit the {side}'s {size}-byte blocks (peer {sid})", peer=sid
+            )
+    return (src_size, dst_size, src_off, dst_off, length)
 
 
 def _check_ids(blocks: Sequence[int], num_blocks: int, side: str, sid: str) -> None:
@@ -211,45 +263,52 @@ def _coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[_Run
 
 
 def _assemble(
-    src: KVCache, peer: PeerInfo, runs: list[_Run], num_blocks: int, max_batch_entries: int
+    src: KVCache,
+    peer: PeerInfo,
+    runs: list[_Run],
+    num_blocks: int,
+    max_batch_entries: int,
+    cut: _Cut,
 ) -> TransferPlan:
-    """Replay the runs over every buffer (buffer-major) and cut into batches."""
-    size = src.layout.block_bytes
-    src_bases, dst_bases = src.buffer_bases(), peer.block_base
+    """Replay the runs over every buffer (buffer-major) and cut into batches.
+    A run longer than one block is only ever of whole blocks (``_whole``)."""
+    src_size, dst_size, src_off, dst_off, length = cut
+    src_bases = [b + src_off for b in src.buffer_bases()]
+    dst_bases = [b + dst_off for b in peer.block_base]
     src_addr: list[int]
     dst_addr: list[int]
     if len(runs) * len(src_bases) <= _VECTORIZE_ABOVE:
         # Small plans (the common, contiguous case): plain ints beat the
         # fixed cost of a handful of torch ops.
-        src_addr = [b + s * size for b in src_bases for s, _, _ in runs]
-        dst_addr = [b + d * size for b in dst_bases for _, d, _ in runs]
+        src_addr = [b + s * src_size for b in src_bases for s, _, _ in runs]
+        dst_addr = [b + d * dst_size for b in dst_bases for _, d, _ in runs]
     else:
         cols = list(zip(*runs, strict=True))
         run_src, run_dst = (torch.tensor(col, dtype=torch.int64) for col in cols[:2])
         # Addresses fit int64 (user-space pointers are < 2**48).
         src_base = torch.tensor(src_bases, dtype=torch.int64).unsqueeze(1)
         dst_base = torch.tensor(dst_bases, dtype=torch.int64).unsqueeze(1)
-        src_addr = (src_base + run_src * size).flatten().tolist()
-        dst_addr = (dst_base + run_dst * size).flatten().tolist()
-    lengths = [n * size for _, _, n in runs] * len(src_bases)
+        src_addr = (src_base + run_src * src_size).flatten().tolist()
+        dst_addr = (dst_base + run_dst * dst_size).flatten().tolist()
+    lengths = [n * length for _, _, n in runs] * len(src_bases)
     m = max_batch_entries
     batches = tuple(
         Batch(tuple(src_addr[i : i + m]), tuple(dst_addr[i : i + m]), tuple(lengths[i : i + m]))
         for i in range(0, len(lengths), m)
     )
-    nbytes = num_blocks * size * src.layout.num_buffers
+    nbytes = num_blocks * length * src.layout.num_buffers
     return TransferPlan(peer=peer.session_id, batches=batches, nbytes=nbytes, num_blocks=num_blocks)
 
 
 def _assemble_one(
-    src: KVCache, peer: PeerInfo, src_blk: int, dst_blk: int, max_batch_entries: int
+    src: KVCache, peer: PeerInfo, src_blk: int, dst_blk: int, max_batch_entries: int, cut: _Cut
 ) -> TransferPlan:
     """``_assemble`` for one validated pair: one entry per buffer."""
-    size = src.layout.block_bytes
-    s, d = src_blk * size, dst_blk * size
+    src_size, dst_size, src_off, dst_off, length = cut
+    s, d = src_blk * src_size + src_off, dst_blk * dst_size + dst_off
     src_addr = tuple([b + s for b in src.buffer_bases()])
     dst_addr = tuple([b + d for b in peer.block_base])
-    lengths = (size,) * len(src_addr)
+    lengths = (length,) * len(src_addr)
     m = max_batch_entries
     if len(lengths) <= m:
         batches: tuple[Batch, ...] = (Batch(src_addr, dst_addr, lengths),)
@@ -258,5 +317,5 @@ def _assemble_one(
             Batch(src_addr[i : i + m], dst_addr[i : i + m], lengths[i : i + m])
             for i in range(0, len(lengths), m)
         )
-    nbytes = size * src.layout.num_buffers
+    nbytes = length * src.layout.num_buffers
     return TransferPlan(peer=peer.session_id, batches=batches, nbytes=nbytes, num_blocks=1)

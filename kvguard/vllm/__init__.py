@@ -17,6 +17,10 @@ The rest is vLLM-free and type-checked with kvguard:
 * ``decode_loads``: the decode side -- asks the prefill to push, and ends every
   wait at the first of: the prefill's verdict, the prefill's death (the
   TCP connection drops), its silence (ZeroMQ heartbeats) or the deadline.
+* ``ranks``: tensor parallelism -- which KV heads each rank holds, and which
+  prefill ranks write a decode rank's blocks (its *legs*).
+* ``decode_legs``: a decode request's load across its legs -- loaded only
+  when every leg loaded, failed only once no leg may still write.
 
 Nothing in the libraries (``lifecycle``, ``transfer``, ``scheduler``) imports
 this package: kvguard runs without vLLM.

@@ -20,8 +20,14 @@ Push model, one request::
     decode worker       finished_recving, and failed_recving if it failed:
                         kv_load_failure_policy decides (error or recompute)
 
-Limits: tensor parallel size 1 per engine, one KV cache group (no hybrid
-models), CPU or CUDA tensors that are contiguous per layer.
+Tensor parallelism (``ranks``): every worker rank runs its own engine and
+control endpoint (``kvguard_control_port`` + rank); a decode rank loads from
+each prefill rank that holds some of its KV heads, and vLLM reports a
+request finished once every rank did.
+
+Limits: one KV cache group (no hybrid models), CPU or CUDA tensors that are
+contiguous per layer; prefill and decode of different tensor parallel sizes
+need heads outermost in a block (vLLM's LBHNC layout).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import group_kernel_blocks
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -53,8 +61,10 @@ from transfer.backend import TransferBackend
 from transfer.mooncake import MooncakeBackend, engine_peer_budget
 from transfer.peer_protocol import peer_message_of
 
-from .decode_loads import DecodeReceiver
+from .decode_legs import DecodeLegs, Verdict
+from .decode_loads import DecodeReceiver, LoadOutcome
 from .prefill_pushes import PrefillSender
+from .ranks import Leg, RankHeads, legs, rank_endpoint
 from .stats import KVGuardConnectorStats, KVGuardPromMetrics, WorkerStats
 
 if TYPE_CHECKING:
@@ -75,6 +85,7 @@ P_ENDPOINT = "kvguard_endpoint"
 P_REQUEST = "kvguard_request_id"
 P_DEADLINE = "kvguard_deadline_s"
 P_HOLD = "kvguard_hold_s"
+P_TP = "kvguard_tp_size"  # the prefill's tensor parallel size
 _RECENT = 4096
 _PROTOCOLS = ("tcp", "rdma")  # what kvguard's backend is built and documented for
 
@@ -100,6 +111,7 @@ class _Settings:
     fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
     fault_seed: int = 0
     fault_kinds: tuple[str, ...] = ("error_code", "raise", "fail_batch")
+    fault_rank: int = -1  # the tensor parallel rank that injects them; -1: every rank
     # CPUs for kvguard's, ZeroMQ's and Mooncake's threads in the worker: ""
     # every CPU of the process (vLLM pins the worker's thread to one core),
     # a list ("0-3,6"), or "inherit" (the worker thread's own mask).
@@ -167,6 +179,11 @@ class _Group:
         return not self.waiting and not self.live
 
 
+# A prefill request as a decode names it: (rank 0's endpoint, its request id,
+# its tensor parallel size).
+_Source = tuple[str, str, int]
+
+
 @dataclass
 class KVGuardMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
@@ -174,14 +191,15 @@ class KVGuardMetadata(KVConnectorMetadata):
     # prefill: (request id, block ids, deadline as time.monotonic())
     holds: list[tuple[str, list[int], float]] = field(default_factory=list)
     # decode: (request id, block ids, prefill endpoint, prefill request id,
-    # deadline, decode requests that load that prefill request: the group)
-    loads: list[tuple[str, list[int], str, str, float, int]] = field(default_factory=list)
-    # decode: (prefill endpoint, prefill request id) never to be loaded
-    forgets: list[tuple[str, str]] = field(default_factory=list)
+    # deadline, decode requests that load that prefill request: the group,
+    # the prefill's tensor parallel size)
+    loads: list[tuple[str, list[int], str, str, float, int, int]] = field(default_factory=list)
+    # decode: prefill requests never to be loaded
+    forgets: list[_Source] = field(default_factory=list)
     # decode: request ids aborted while their load runs
     cancels: list[str] = field(default_factory=list)
-    # decode: (prefill endpoint, prefill request id) still queued here: keep it held
-    renews: list[tuple[str, str]] = field(default_factory=list)
+    # decode: prefill requests still queued here: keep them held
+    renews: list[_Source] = field(default_factory=list)
 
 
 class KVGuardConnector(KVConnectorBase_V1):
@@ -199,9 +217,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             raise ValueError(
                 f"KVGuardConnector needs kv_producer or kv_consumer, not {cfg.kv_role}"
             )
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise NotImplementedError(f"KVGuardConnector supports tensor parallel size 1, not {tp}")
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.is_producer = cfg.kv_role == "kv_producer"
         self.settings = _Settings.of(dict(cfg.kv_connector_extra_config or {}))
         self.endpoint = f"tcp://{self.settings.host}:{self.settings.control_port}"
@@ -209,8 +225,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._meta = KVGuardMetadata()
         self._loading: set[str] = set()  # decode: requests whose load was handed to the worker
         # decode: requests seen waiting for blocks, not yet allocated:
-        # id -> (endpoint, prefill id, renew interval, next renewal as time.monotonic())
-        self._queued: dict[str, tuple[str, str, float, float]] = {}
+        # id -> (prefill request, renew interval, next renewal as time.monotonic())
+        self._queued: dict[str, tuple[_Source, float, float]] = {}
         # decode: the requests that load one prefill request (n > 1 children)
         self._groups: dict[tuple[str, str], _Group] = {}
         # decode: tokens loaded, for the last _RECENT requests (inspection, tests)
@@ -220,8 +236,12 @@ class KVGuardConnector(KVConnectorBase_V1):
         self.backend: MooncakeBackend | None = None
         self.sender: PrefillSender | None = None
         self.receiver: DecodeReceiver | None = None
-        self._load_blocks: dict[str, list[int]] = {}  # decode: loads in flight or fenced
-        # decode: blocks of fenced loads, for vLLM's invalid-block path (see get_transfer_results)
+        self.rank = RankHeads(0, 1, 1)  # this worker's rank and KV heads
+        self._legs = DecodeLegs()  # decode: loads in flight or fenced, by leg
+        self._verdicts: list[Verdict] = []  # decode: loads failed before asking, to report
+        self._plans: dict[int, list[Leg] | str] = {}  # decode: prefill TP size -> legs, or why not
+        # decode: blocks of failed loads still written, for vLLM's invalid-block
+        # path (see get_transfer_results)
         self._invalid: set[int] = set()
         self.compat = ""  # this engine's KV layout, as peers compare it
 
@@ -237,6 +257,14 @@ class KVGuardConnector(KVConnectorBase_V1):
         except (TypeError, ValueError):
             return s.deadline_s
         return min(deadline, s.max_deadline_s) if deadline > 0 else s.deadline_s
+
+    @staticmethod
+    def _source(params: dict[str, Any]) -> _Source:
+        """Whom a decode request loads from; a TP size that is not an int > 0
+        reads as 0, which the worker fails the load on, naming it."""
+        tp = params.get(P_TP, 1)
+        size = tp if type(tp) is int and 0 < tp <= 1024 else 0
+        return params[P_ENDPOINT], params[P_REQUEST], size
 
     @staticmethod
     def _wants_load(params: dict[str, Any] | None) -> bool:
@@ -269,9 +297,9 @@ class KVGuardConnector(KVConnectorBase_V1):
             every = self.settings.hold_s / 3
         every = max(every, 0.1)
         due = time.monotonic() + every
-        key = (params[P_ENDPOINT], params[P_REQUEST])
-        self._queued[request.request_id] = (*key, every, due)
-        self._groups.setdefault(key, _Group()).waiting.add(request.request_id)
+        source = self._source(params)
+        self._queued[request.request_id] = (source, every, due)
+        self._groups.setdefault(source[:2], _Group()).waiting.add(request.request_id)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -282,9 +310,10 @@ class KVGuardConnector(KVConnectorBase_V1):
         assert params is not None
         params["do_remote_prefill"] = False  # one load per request
         self._queued.pop(request.request_id, None)
-        endpoint, remote = params[P_ENDPOINT], params[P_REQUEST]
+        source = self._source(params)
+        endpoint, remote, tp = source
         if num_external_tokens <= 0:
-            self._not_loading(request.request_id, (endpoint, remote))
+            self._not_loading(request.request_id, source)
             return
         block_ids = blocks.get_unhashed_block_ids_all_groups()[0]
         deadline = time.monotonic() + self._deadline_s(params)
@@ -293,7 +322,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         group.waiting.discard(request.request_id)
         group.live.add(request.request_id)
         group.pushed += 1
-        load = (request.request_id, list(block_ids), endpoint, remote, deadline, size)
+        load = (request.request_id, list(block_ids), endpoint, remote, deadline, size, tp)
         self._meta.loads.append(load)
         self._loading.add(request.request_id)
         self.external_tokens[request.request_id] = num_external_tokens
@@ -303,10 +332,10 @@ class KVGuardConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVGuardMetadata()
         now = time.monotonic()
-        for rid, (endpoint, remote, every, due) in self._queued.items():
+        for rid, (source, every, due) in self._queued.items():
             if due <= now:
-                meta.renews.append((endpoint, remote))
-                self._queued[rid] = (endpoint, remote, every, now + every)
+                meta.renews.append(source)
+                self._queued[rid] = (source, every, now + every)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -324,7 +353,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             if self._wants_load(params):
                 # Finished (aborted) before its blocks were allocated.
                 params["do_remote_prefill"] = False
-                self._not_loading(request.request_id, (params[P_ENDPOINT], params[P_REQUEST]))
+                self._not_loading(request.request_id, self._source(params))
             else:
                 self._ungroup(request.request_id, params)
             if request.request_id in self._loading:
@@ -345,20 +374,22 @@ class KVGuardConnector(KVConnectorBase_V1):
             P_REQUEST: rid,
             P_DEADLINE: deadline_s,
             P_HOLD: hold_s,
+            P_TP: self.tp_size,
         }
 
-    def _not_loading(self, rid: str, key: tuple[str, str]) -> None:
+    def _not_loading(self, rid: str, source: _Source) -> None:
         """``rid`` of ``key``'s group will never push. While the group has
         pushed nothing and others wait, the later pushes carry the smaller
         size; otherwise the prefill is told (an Abort without load id, which
         the link delivers after every push sent before it)."""
+        key = source[:2]
         group = self._groups.get(key)
         if group is None:
-            self._meta.forgets.append(key)
+            self._meta.forgets.append(source)
             return
         group.waiting.discard(rid)
         if group.pushed or not group.waiting:
-            self._meta.forgets.append(key)
+            self._meta.forgets.append(source)
         if group.idle():
             del self._groups[key]
 
@@ -379,15 +410,30 @@ class KVGuardConnector(KVConnectorBase_V1):
         if self._kv_cache_config is not None:
             # A kernel block size below --block-size splits each block in dim 0:
             # view the scheduler's blocks as dim 0, as vLLM's own connectors do.
-            n = self._kv_cache_config.num_blocks
-            tensors = [group_kernel_blocks(t, n) for t in tensors]
+            total = self._kv_cache_config.num_blocks
+            tensors = [group_kernel_blocks(t, total) for t in tensors]
         first = tensors[0]
         num_blocks = int(first.shape[0])
         block_bytes = first[0].numel() * first.element_size()
-        # What a peer's blocks must match, byte for byte: not the block count.
+        cfg = self._vllm_config
+        self.rank = RankHeads(
+            get_tensor_model_parallel_rank(),
+            self.tp_size,
+            cfg.model_config.get_total_num_kv_heads(),
+        )
+        # Heads outermost in a block: a rank's heads are one slice of it.
+        head_major = (
+            cfg.cache_config.get_resolved_kv_cache_layout() is KVCacheLayout.LBHNC
+            and first.dim() > 2
+            and int(first.shape[1]) == self.rank.count
+        )
+        self.head_major = head_major
+        # What a peer's blocks must match, byte for byte: not the block count,
+        # nor (heads outermost) how many heads each rank holds.
+        shape = "x".join(map(str, first.shape[2:] if head_major else first.shape[1:]))
         self.compat = (
-            f"{first.dtype}/{'x'.join(map(str, first.shape[1:]))}/layers={len(names)}"
-            f"/block_size={self._vllm_config.cache_config.block_size}"
+            f"{first.dtype}/{'head x ' if head_major else ''}{shape}/layers={len(names)}"
+            f"/block_size={cfg.cache_config.block_size}/kv_heads={self.rank.heads}"
         )
         for n, t in zip(names, tensors, strict=True):
             if not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype:
@@ -402,8 +448,13 @@ class KVGuardConnector(KVConnectorBase_V1):
             self._start_worker()
         assert self.backend is not None
         logger.info(
-            "KVGuardConnector %s: %d layers x %d blocks x %d bytes (%s), Mooncake session %s%s",
+            "KVGuardConnector %s rank %d/%d (KV heads %d-%d): %d layers x %d blocks x %d bytes "
+            "(%s), Mooncake session %s%s",
             "producer" if self.is_producer else "consumer",
+            self.rank.rank,
+            self.tp_size,
+            self.rank.first,
+            self.rank.first + self.rank.count - 1,
             len(names),
             num_blocks,
             block_bytes,
@@ -420,21 +471,24 @@ class KVGuardConnector(KVConnectorBase_V1):
         s = self.settings
         if self.is_producer:
             mover: TransferBackend = self.backend
-            if s.fault_rate > 0:
+            if s.fault_rate > 0 and s.fault_rank in (-1, self.rank.rank):
                 kinds = [FaultKind(k) for k in s.fault_kinds]
                 mover = FaultInjectingBackend(
                     self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds)
                 )
+            port = s.control_port + self.rank.rank  # rank 0's is the one peers are told
             self.sender = PrefillSender(
                 mover,
                 self.cache,
-                f"tcp://*:{s.control_port}" if s.host != "127.0.0.1" else self.endpoint,
+                f"tcp://{'*' if s.host != '127.0.0.1' else s.host}:{port}",
                 peer_backends=(self.backend,),
                 workers=s.inflight(),
                 retry=RetryPolicy(max_attempts=s.max_attempts),
                 compat=self.compat,
                 renew_s=s.hold_s,
                 max_hold_s=s.max_hold_s,
+                heads=self.rank,
+                head_major=self.head_major,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
@@ -443,6 +497,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 heartbeat_s=s.heartbeat_s,
                 heartbeat_timeout_s=s.heartbeat_timeout_s,
                 compat=self.compat,
+                heads=(self.rank.first, self.rank.count),
             )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -460,16 +515,68 @@ class KVGuardConnector(KVConnectorBase_V1):
         if self.sender is not None:
             for rid, blocks, deadline in meta.holds:
                 self.sender.hold(rid, blocks, deadline)
-        if self.receiver is not None:
-            for rid, blocks, endpoint, remote, deadline, group in meta.loads:
-                self._load_blocks[rid] = blocks
-                self.receiver.expect(rid, endpoint, remote, blocks, deadline, group)
-            for endpoint, remote in meta.forgets:
-                self.receiver.forget(endpoint, remote)
+        receiver = self.receiver
+        if receiver is not None:
+            for rid, blocks, endpoint, remote, deadline, group, tp in meta.loads:
+                self._expect(receiver, rid, blocks, endpoint, remote, deadline, group, tp)
+            for endpoint, remote, tp in meta.forgets:
+                for leg in self._legs_from(tp):
+                    receiver.forget(rank_endpoint(endpoint, leg.prefill_rank), remote)
             for rid in meta.cancels:
-                self.receiver.cancel(rid)
-            for endpoint, remote in meta.renews:
-                self.receiver.renew(endpoint, remote)
+                for leg_id in self._legs.legs(rid):
+                    receiver.cancel(leg_id)
+            for endpoint, remote, tp in meta.renews:
+                for leg in self._legs_from(tp):
+                    receiver.renew(rank_endpoint(endpoint, leg.prefill_rank), remote)
+
+    def _legs_from(self, tp: int) -> list[Leg]:
+        """This rank's legs from a prefill of ``tp`` ranks; none if they cannot pair."""
+        plan = self._plan(tp)
+        return plan if isinstance(plan, list) else []
+
+    def _plan(self, tp: int) -> list[Leg] | str:
+        if tp not in self._plans:
+            try:
+                if tp <= 0:
+                    raise ValueError(f"{P_TP} from the prefill must be an int in [1, 1024]")
+                self._plans[tp] = legs(self.rank, tp, self.head_major)
+            except ValueError as exc:
+                self._plans[tp] = str(exc)
+        return self._plans[tp]
+
+    def _expect(
+        self,
+        receiver: DecodeReceiver,
+        rid: str,
+        blocks: list[int],
+        endpoint: str,
+        remote: str,
+        deadline: float,
+        group: int,
+        tp: int,
+    ) -> None:
+        """One load as its legs: the request's own id when it has one leg that
+        no other decode rank shares, else one id per leg (the prefill rank
+        keeps one answer per load id)."""
+        plan = self._plan(tp)
+        if isinstance(plan, str):
+            if self._legs.start(rid, blocks, [rid]):
+                self._legs_failed(rid, plan)
+            return
+        single = len(plan) == 1 and plan[0].fan_in == 1
+        ids = [rid if single else f"{rid}#{self.rank.rank}.{leg.prefill_rank}" for leg in plan]
+        if not self._legs.start(rid, blocks, ids):
+            return
+        for leg, leg_id in zip(plan, ids, strict=True):
+            url = rank_endpoint(endpoint, leg.prefill_rank)
+            receiver.expect(leg_id, url, remote, blocks, deadline, group * leg.fan_in)
+
+    def _legs_failed(self, rid: str, why: str) -> None:
+        """A load that cannot start: failed at once, nothing was asked."""
+        logger.error("kvguard: KV load of %s cannot start: %s", rid, why)
+        verdict = self._legs.reported(LoadOutcome(rid, False, "incompatible", why, 0.0))
+        assert verdict is not None and verdict.final
+        self._verdicts.append(verdict)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # started in bind_connector_metadata, before the forward
@@ -495,17 +602,19 @@ class KVGuardConnector(KVConnectorBase_V1):
             results.finished_sending = self.sender.take_released()
         if self.receiver is not None:
             # A load reported in finished_recving gives its blocks back to vLLM
-            # (at once for a finished request). A fenced failure must not: the
-            # prefill may still write them. Its blocks go out as load errors
-            # instead: vLLM fails the request now (policy fail) or holds it for
-            # recompute, and keeps the blocks until finished_recving, which
-            # comes once the receiver says nothing writes them.
+            # (at once for a finished request). A failed load whose blocks may
+            # still be written (a fenced leg, or legs still running) must not:
+            # its blocks go out as load errors instead. vLLM fails the request
+            # now (policy fail) or holds it for recompute, and keeps the blocks
+            # until finished_recving, which comes once every leg is over and
+            # the receiver says nothing writes them.
+            verdicts: list[Verdict | None] = list(self._verdicts)
+            self._verdicts.clear()
             for out in self.receiver.take_finished():
-                rid = out.request_id
                 if not out.ok:
                     logger.warning(
                         "kvguard: KV load of %s failed (%s: %s) after %.3fs%s",
-                        rid,
+                        out.request_id,
                         out.reason,
                         out.detail,
                         out.latency_s,
@@ -513,19 +622,19 @@ class KVGuardConnector(KVConnectorBase_V1):
                         if out.fenced
                         else "",
                     )
-                if out.fenced:
-                    self._invalid.update(self._load_blocks.get(rid, ()))
+                verdicts.append(self._legs.reported(out))
+            verdicts += map(self._legs.released, self.receiver.take_released())
+            for v in verdicts:
+                if v is None:
                     continue
-                results.finished_recving.add(rid)
-                blocks = self._load_blocks.pop(rid, [])
-                if out.ok:
-                    self.on_loaded(rid, blocks)
+                if not v.final:
+                    self._invalid.update(v.blocks)
+                    continue
+                results.finished_recving.add(v.request_id)
+                if v.outcome.ok:
+                    self.on_loaded(v.request_id, v.blocks)
                 else:
-                    results.failed_recving.add(rid)
-            for rid in self.receiver.take_released():
-                self._load_blocks.pop(rid, None)
-                results.finished_recving.add(rid)
-                results.failed_recving.add(rid)
+                    results.failed_recving.add(v.request_id)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -555,9 +664,9 @@ class KVGuardConnector(KVConnectorBase_V1):
         meta = self._connector_metadata  # this step's, still bound
         loads = meta.loads if isinstance(meta, KVGuardMetadata) else []
         started = [(load[0], len(load[1])) for load in loads]
-        in_use = {rid: len(blocks) for rid, blocks in self._load_blocks.items()}
+        outcomes = self._legs if self.receiver is not None else None
         return self._worker_stats.sample(
-            self.sender, self.receiver, started, in_use, time.monotonic()
+            self.sender, outcomes, started, self._legs.in_use(), time.monotonic()
         )
 
     @classmethod

@@ -55,6 +55,7 @@ from transfer import PeerInfo, TransferBackend
 from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import peer_info_of
+from transfer.plan import BlockSlice
 
 from .protocol import (
     MAX_FRAME_BYTES,
@@ -67,6 +68,7 @@ from .protocol import (
     ids_of,
     truncate,
 )
+from .ranks import RankHeads
 
 __all__ = ["PrefillSender", "SenderStats"]
 
@@ -139,13 +141,20 @@ class PrefillSender:
         compat: str = "",
         renew_s: float = 30.0,
         max_hold_s: float = 300.0,
+        heads: RankHeads | None = None,
+        head_major: bool = False,
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
         faults); ``peer_backends`` also learn each decode's regions. ``compat``:
         this side's KV layout fingerprint; a push with another is refused. A
         decode's ``Renew`` extends a hold to ``renew_s`` from then, and never
         past ``max_hold_s`` after the hold began (blocks pinned by a decode
-        that queues them)."""
+        that queues them). ``heads``: the KV heads this tensor parallel rank
+        holds; a decode rank holding others gets the heads both hold, which
+        needs heads outermost in a block (``head_major``)."""
+        self._heads = heads
+        self._head_major = head_major
+        self._block_bytes = cache.layout.block_bytes
         self._renew_s = renew_s
         self._max_hold_s = max_hold_s
         self._peer_backends = tuple(peer_backends)
@@ -348,6 +357,7 @@ class PrefillSender:
                     f"decode asks for {len(push.blocks)} blocks, request {rid} has "
                     f"{len(held.blocks)}"
                 )
+            part = self._part(push)
             deadline_s = min(left, push.expires_at - time.time())
             if deadline_s <= 0:
                 raise TimeoutError(f"request {rid}: the hold or the push deadline has passed")
@@ -368,6 +378,7 @@ class PrefillSender:
                 peer=info.session_id,
                 deadline_s=deadline_s,
                 release=partial(self._on_release, rid, push.load_id),
+                part=part,
             )
         except Exception as exc:  # nothing was submitted: the blocks are untouched
             _log.warning("push_refused", request=rid, load=push.load_id, error=repr(exc))
@@ -379,6 +390,22 @@ class PrefillSender:
             return
         with self._lock:
             self.stats.pushed += 1
+
+    def _part(self, push: Push) -> BlockSlice | None:
+        """Whole blocks where the decode rank holds this rank's heads, else
+        the slice of each block with the heads both hold."""
+        mine, first, count = self._heads, push.first_head, push.head_count
+        if mine is None or count == 0 or (first, count) == (mine.first, mine.count):
+            return None
+        lo, hi = max(mine.first, first), min(mine.first + mine.count, first + count)
+        if lo >= hi or not self._head_major:
+            raise PeerProtocolError(
+                f"the decode rank holds KV heads [{first}, {first + count}), this prefill "
+                f"rank [{mine.first}, {mine.first + mine.count}): "
+                + ("none in common" if lo >= hi else "a share of a block needs heads outermost")
+            )
+        unit = self._block_bytes // mine.count
+        return BlockSlice((lo - mine.first) * unit, (lo - first) * unit, (hi - lo) * unit)
 
     def _on_release(self, rid: str, load_id: str, _transfer: str, fin: Finished) -> None:
         # kvguard's release thread: terminal AND quiesced.

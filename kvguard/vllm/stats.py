@@ -24,7 +24,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -36,7 +36,7 @@ from scheduler import Finished
 from scheduler.metrics import LATENCY_BUCKETS
 from transfer import KVLayout
 
-from .decode_loads import DecodeReceiver, LoadOutcome
+from .decode_loads import LoadOutcome
 from .prefill_pushes import PrefillSender, SenderStats
 
 __all__ = [
@@ -60,6 +60,12 @@ _DONE: Final = {"prefill": "done", "decode": "loaded"}  # the outcome that moved
 GAUGES: Final = ("held_blocks", "quarantined_blocks", "oldest_live_load_seconds")
 _KEYS: Final = ("transfers", "bytes", "seconds", "gauges")
 _SEP: Final = "/"  # transfers: "role/outcome/reason"; seconds: "role/outcome"
+
+
+class _Outcomes(Protocol):
+    """A decode's loads as vLLM hears of them (``DecodeLegs``, ``DecodeReceiver``)."""
+
+    def recent_outcomes(self) -> list[LoadOutcome]: ...
 
 
 def _number(where: str, value: object, *, integer: bool) -> None:
@@ -295,7 +301,7 @@ class WorkerStats:
     def sample(
         self,
         sender: PrefillSender | None,
-        receiver: DecodeReceiver | None,
+        receiver: _Outcomes | None,
         loads: Iterable[tuple[str, int]],
         in_use: Mapping[str, int],
         now: float,

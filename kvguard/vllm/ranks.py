@@ -1,0 +1,109 @@
+"""Tensor parallel ranks: which KV heads each rank holds, and who writes whose.
+
+With tensor parallelism every worker rank holds an equal, contiguous share
+of every layer's KV heads (vLLM's split: rank r of size t holds heads
+``[r * H / t, (r + 1) * H / t)``), registers its own memory and runs its own
+Mooncake engine and kvguard control endpoint (base port + rank). A decode
+rank loads from every prefill rank whose heads overlap its own: a *leg* per
+such rank, each writing the overlap into the same decode blocks.
+
+* equal sizes: decode rank r has one leg, to prefill rank r, whole blocks;
+* prefill 2, decode 1: the decode rank has two legs, each a half of its blocks;
+* prefill 1, decode 2: each decode rank has one leg to prefill rank 0, which
+  is asked twice per request (``fan_in`` 2) and writes a half each time.
+
+A slice of a block is contiguous only where heads are outermost inside it
+(vLLM's ``LBHNC`` layout, the CPU backend's); other layouts pair equal sizes
+only. A size that does not divide the head count pairs equal sizes only
+(vLLM replicates heads across the extra ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Leg", "RankHeads", "legs", "rank_endpoint"]
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """Rank ``rank`` of ``size`` holding its share of ``heads`` KV heads."""
+
+    rank: int  # 0 <= rank < size
+    size: int  # the tensor parallel size, > 0
+    heads: int  # KV heads of the model, all ranks together, > 0
+
+    def __post_init__(self) -> None:
+        if not (self.size > 0 and 0 <= self.rank < self.size and self.heads > 0):
+            raise ValueError(f"no such rank: {self}")
+
+    @property
+    def splits(self) -> bool:
+        """Whether ranks hold disjoint head ranges (else vLLM replicates heads)."""
+        return self.heads % self.size == 0
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.heads // self.size if self.splits else 0
+
+    @property
+    def count(self) -> int:
+        return self.heads // self.size if self.splits else self.heads
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One prefill rank's share of a decode rank's load, in heads.
+
+    The prefill rank writes ``count`` heads from head ``src_head`` of its own
+    blocks (relative to its first) to head ``dst_head`` of the decode rank's;
+    ``fan_in`` decode ranks ask it for each request.
+    """
+
+    prefill_rank: int
+    src_head: int
+    dst_head: int
+    count: int
+    fan_in: int
+    whole: bool  # the same heads on both ranks: whole blocks
+
+
+def legs(decode: RankHeads, prefill_size: int, head_major: bool) -> list[Leg]:
+    """The legs of a load on ``decode`` from a prefill of ``prefill_size`` ranks.
+
+    Raises ValueError naming both sizes for a pairing that cannot work.
+    """
+    if prefill_size == decode.size:
+        return [Leg(decode.rank, 0, 0, decode.count, 1, True)]
+    prefill = [RankHeads(p, prefill_size, decode.heads) for p in range(prefill_size)]
+    if not (decode.splits and prefill[0].splits):
+        raise ValueError(
+            f"prefill tensor parallel size {prefill_size} and decode size {decode.size} "
+            f"differ, and one does not divide the {decode.heads} KV heads"
+        )
+    if not head_major:
+        raise ValueError(
+            f"prefill tensor parallel size {prefill_size} and decode size {decode.size} "
+            "differ: that needs heads outermost in a block (vLLM's LBHNC KV cache layout)"
+        )
+    ranks = [RankHeads(d, decode.size, decode.heads) for d in range(decode.size)]
+    out = []
+    for p in prefill:
+        lo, hi = _overlap(p, decode)
+        if lo < hi:
+            # Every decode rank overlapping p asks p for each request.
+            fan_in = sum(a < b for a, b in (_overlap(p, d) for d in ranks))
+            out.append(Leg(p.rank, lo - p.first, lo - decode.first, hi - lo, fan_in, False))
+    return out
+
+
+def _overlap(a: RankHeads, b: RankHeads) -> tuple[int, int]:
+    return max(a.first, b.first), min(a.first + a.count, b.first + b.count)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Rank ``rank``'s control endpoint: ``tcp://host:port`` is rank 0's."""
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) + rank < 65536:
+        raise ValueError(f"not a tcp://host:port endpoint for rank {rank}: {endpoint!r}")
+    return f"{head}:{int(port) + rank}"

@@ -1,0 +1,167 @@
+"""Tensor parallel rank mapping (kvguard.vllm.ranks) and a decode request's
+legs (kvguard.vllm.decode_legs): no vLLM needed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvguard.vllm.decode_legs import DecodeLegs
+from kvguard.vllm.decode_loads import LoadOutcome
+from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint
+
+# -- ranks ----------------------------------------------------------------------
+
+
+def test_vllm_head_split() -> None:
+    assert [(r.first, r.count) for r in map(lambda i: RankHeads(i, 4, 8), range(4))] == [
+        (0, 2),
+        (2, 2),
+        (4, 2),
+        (6, 2),
+    ]
+    replicated = RankHeads(3, 4, 2)  # more ranks than heads: vLLM replicates them
+    assert (replicated.splits, replicated.first, replicated.count) == (False, 0, 2)
+
+
+@pytest.mark.parametrize(("rank", "size", "heads"), [(2, 2, 4), (-1, 2, 4), (0, 0, 4), (0, 1, 0)])
+def test_no_such_rank(rank: int, size: int, heads: int) -> None:
+    with pytest.raises(ValueError, match="no such rank: RankHeads"):
+        RankHeads(rank, size, heads)
+
+
+def test_the_three_pairings_the_docs_name() -> None:
+    # equal sizes: rank r to rank r, whole blocks (any layout)
+    assert legs(RankHeads(1, 2, 2), 2, head_major=False) == [Leg(1, 0, 0, 1, 1, True)]
+    # prefill 2, decode 1: two halves from two ranks
+    assert legs(RankHeads(0, 1, 2), 2, head_major=True) == [
+        Leg(0, 0, 0, 1, 1, False),
+        Leg(1, 0, 1, 1, 1, False),
+    ]
+    # prefill 1, decode 2: one leg each to rank 0, which two decode ranks ask
+    assert legs(RankHeads(1, 2, 2), 1, head_major=True) == [Leg(0, 1, 0, 1, 2, False)]
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill_size", "head_major", "match"),
+    [
+        (RankHeads(0, 1, 2), 2, False, "differ: that needs heads outermost"),
+        (RankHeads(0, 4, 2), 2, True, "one does not divide the 2 KV heads"),
+        (RankHeads(0, 2, 6), 4, True, "prefill tensor parallel size 4 and decode size 2"),
+    ],
+)
+def test_pairings_that_cannot_work_name_both_sizes(
+    decode: RankHeads, prefill_size: int, head_major: bool, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        legs(decode, prefill_size, head_major)
+
+
+@given(
+    st.sampled_from([1, 2, 4, 6, 8, 12]).flatmap(
+        lambda h: st.tuples(
+            st.just(h),
+            st.sampled_from([d for d in (1, 2, 3, 4, 6, 8, 12) if h % d == 0]),
+            st.sampled_from([p for p in (1, 2, 3, 4, 6, 8, 12) if h % p == 0]),
+        )
+    )
+)
+def test_legs_cover_every_head_exactly_once(case: tuple[int, int, int]) -> None:
+    """Every decode rank's heads come from exactly one prefill rank each, from
+    that rank's own heads, and each prefill rank's fan-in is the number of
+    decode ranks that ask it."""
+    heads, decode_size, prefill_size = case
+    asked: Counter[int] = Counter()
+    fan_in: dict[int, int] = {}
+    for d in range(decode_size):
+        rank = RankHeads(d, decode_size, heads)
+        got: list[int] = []
+        for leg in legs(rank, prefill_size, head_major=True):
+            p = RankHeads(leg.prefill_rank, prefill_size, heads)
+            assert leg.src_head >= 0 and leg.src_head + leg.count <= p.count
+            assert p.first + leg.src_head == rank.first + leg.dst_head  # the same heads
+            got += range(rank.first + leg.dst_head, rank.first + leg.dst_head + leg.count)
+            asked[leg.prefill_rank] += 1
+            assert fan_in.setdefault(leg.prefill_rank, leg.fan_in) == leg.fan_in
+            assert leg.whole == (prefill_size == decode_size)
+        assert got == list(range(rank.first, rank.first + rank.count))
+    assert dict(asked) == fan_in  # what the prefill waits for is what comes
+    assert set(asked) == set(range(prefill_size))  # every prefill rank is asked
+
+
+def test_rank_endpoints() -> None:
+    assert rank_endpoint("tcp://10.0.0.1:17600", 0) == "tcp://10.0.0.1:17600"
+    assert rank_endpoint("tcp://10.0.0.1:17600", 3) == "tcp://10.0.0.1:17603"
+    for bad in ("tcp://10.0.0.1", "tcp://h:x1", "tcp://h:65535"):
+        with pytest.raises(ValueError, match="not a tcp://host:port endpoint for rank 1"):
+            rank_endpoint(bad, 1)
+
+
+# -- legs -------------------------------------------------------------------------
+
+
+def _ok(leg: str, latency: float = 0.1) -> LoadOutcome:
+    return LoadOutcome(leg, True, "", "", latency)
+
+
+def _failed(leg: str, fenced: bool = False) -> LoadOutcome:
+    return LoadOutcome(leg, False, "peer_lost", "gone", 0.2, fenced=fenced)
+
+
+def test_one_leg_is_the_receivers_outcome_unchanged() -> None:
+    legs_ = DecodeLegs()
+    assert legs_.start("r", [4, 5], ["r"])
+    v = legs_.reported(_ok("r"))
+    assert v is not None and v.final and v.outcome == _ok("r") and v.blocks == [4, 5]
+    assert legs_.in_use() == {}
+    assert legs_.recent_outcomes() == [_ok("r")]
+
+
+def test_loaded_only_when_every_leg_loaded() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [1], ["r#0.0", "r#0.1"])
+    assert legs_.reported(_ok("r#0.1", 0.3)) is None
+    assert legs_.in_use() == {"r": 1}
+    v = legs_.reported(_ok("r#0.0", 0.1))
+    assert v is not None and v.final and v.outcome == LoadOutcome("r", True, "", "", 0.3)
+
+
+def test_a_failed_leg_fails_the_request_once_no_leg_may_write() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [7, 8], ["a", "b"])
+    early = legs_.reported(_failed("a", fenced=True))
+    # vLLM hears of it now, as load errors on the blocks: not finished
+    assert early is not None and not early.final and early.outcome.reason == "peer_lost"
+    assert legs_.reported(_ok("b")) is None  # still fenced: nothing more to say
+    assert legs_.recent_outcomes() == [LoadOutcome("r", False, "peer_lost", "gone", 0.2, True)]
+    assert legs_.in_use() == {"r": 2}
+    assert legs_.released("b") is None  # not a fenced leg
+    final = legs_.released("a")
+    assert final is not None and final.final and not final.outcome.ok
+    assert final.outcome.reason == "peer_lost" and final.blocks == [7, 8]
+    assert legs_.in_use() == {} and legs_.released("a") is None
+
+
+def test_an_unfenced_failure_still_waits_for_the_other_legs() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [3], ["a", "b"])
+    early = legs_.reported(_failed("a"))
+    assert early is not None and not early.final
+    final = legs_.reported(_ok("b"))
+    assert final is not None and final.final and final.outcome.reason == "peer_lost"
+
+
+def test_duplicates_and_strays_change_nothing() -> None:
+    legs_ = DecodeLegs()
+    assert legs_.start("r", [1], ["a", "b"])
+    assert not legs_.start("r", [2], ["c"])  # the first load stands
+    assert not legs_.start("s", [2], [])
+    assert legs_.legs("r") == ["a", "b"] and legs_.legs("s") == []
+    assert legs_.reported(_ok("c")) is None
+    assert legs_.reported(_ok("a")) is None
+    assert legs_.reported(_ok("a")) is None  # reported twice
+    assert legs_.legs("r") == ["b"]
+    assert legs_.in_use() == {"r": 1}
