@@ -165,3 +165,11 @@ def test_duplicates_and_strays_change_nothing() -> None:
     assert legs_.reported(_ok("a")) is None  # reported twice
     assert legs_.legs("r") == ["b"]
     assert legs_.in_use() == {"r": 1}
+
+
+def test_blocks_and_drop() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [5, 6], ["a", "b"])
+    assert legs_.blocks("r") == [5, 6] and legs_.blocks("x") == []
+    assert legs_.drop("r") == [5, 6] and legs_.drop("r") == []
+    assert legs_.reported(_ok("a")) is None and legs_.in_use() == {}

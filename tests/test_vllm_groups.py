@@ -92,7 +92,7 @@ def test_children_allocated_steps_apart_each_carry_the_whole_group(
     for i, child in enumerate(children[1:], start=1):
         allocate(c, child, 2 * i + 1, 2 * i + 2)
     rest = step(c)
-    got = [(rid, ids, ep, remote, group) for rid, ids, ep, remote, _, group in first.loads]
+    got = [(rid, ids, ep, remote, group) for rid, ids, ep, remote, _, group, _ in first.loads]
     assert got == [("0_cmpl-a", [1, 2], ENDPOINT, "prefill-a", 4)]
     assert [(load[0], load[5]) for load in rest.loads] == [
         ("1_cmpl-a", 4),
@@ -155,7 +155,7 @@ def test_a_child_aborted_after_a_sibling_pushed_is_forgotten_at_the_prefill(
     assert first.forgets == []
     dropped.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(dropped, []) == (False, None)
-    assert step(c).forgets == [(ENDPOINT, "prefill-d")]
+    assert step(c).forgets == [(ENDPOINT, "prefill-d", 1)]
     finish(c, pushed)
     assert c._groups == {}
 
@@ -169,5 +169,5 @@ def test_a_lone_request_aborted_before_allocation_is_forgotten_at_once(
     alone.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(alone, []) == (False, None)
     meta = step(c)
-    assert (meta.forgets, meta.loads) == ([(ENDPOINT, "prefill-e")], [])
+    assert (meta.forgets, meta.loads) == ([(ENDPOINT, "prefill-e", 1)], [])
     assert c._groups == {}

@@ -157,7 +157,7 @@ class CanaryKVGuardConnector(KVGuardConnector):
             outs = take_finished()
             for out in outs:
                 if out.fenced:
-                    blocks = self._load_blocks.get(out.request_id, [])
+                    blocks = self._legs.blocks(out.request_id)
                     bypass = (DIR / "bypass").exists()
                     event(
                         "fenced",
@@ -175,7 +175,7 @@ class CanaryKVGuardConnector(KVGuardConnector):
         def released() -> list[str]:
             rids = take_released()
             for rid in rids:
-                blocks = self._load_blocks.get(rid, [])
+                blocks = self._legs.blocks(rid)
                 event("released", rid=rid, blocks=blocks, digest=self._digest(blocks))
             return rids
 
@@ -198,7 +198,7 @@ class CanaryKVGuardConnector(KVGuardConnector):
         results = super().get_transfer_results(finished_req_ids)
         for rid in self._fenced_now & self._bypassed:
             # The old behaviour: the blocks go back to vLLM with the failure.
-            blocks = self._load_blocks.pop(rid, [])
+            blocks = self._legs.drop(rid)
             self._invalid.difference_update(blocks)
             results.finished_recving.add(rid)
             results.failed_recving.add(rid)

@@ -78,6 +78,21 @@ class DecodeLegs:
         load = self._loads.get(request_id)
         return sorted(load.pending) if load else []
 
+    def blocks(self, request_id: str) -> list[int]:
+        """The blocks ``request_id`` loads into ([] once finished)."""
+        load = self._loads.get(request_id)
+        return list(load.blocks) if load else []
+
+    def drop(self, request_id: str) -> list[int]:
+        """Forget ``request_id`` and its legs (tests: the canary's control,
+        which gives fenced blocks back early on purpose); its blocks."""
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            return []
+        for leg in load.pending | load.fenced:
+            self._request.pop(leg, None)
+        return load.blocks
+
     def in_use(self) -> dict[str, int]:
         """Requests whose blocks vLLM has not got back: their block counts."""
         return {rid: len(load.blocks) for rid, load in self._loads.items()}
