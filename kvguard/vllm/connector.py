@@ -202,6 +202,17 @@ class KVGuardMetadata(KVConnectorMetadata):
     renews: list[_Source] = field(default_factory=list)
 
 
+def _rank_url(endpoint: str, rank: int) -> str | None:
+    """Prefill rank ``rank``'s endpoint; rank 0's as given (the receiver
+    checks it), None where no rank endpoint can be made of it."""
+    if rank == 0:
+        return endpoint
+    try:
+        return rank_endpoint(endpoint, rank)
+    except ValueError:
+        return None
+
+
 class KVGuardConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
@@ -520,19 +531,23 @@ class KVGuardConnector(KVConnectorBase_V1):
             for rid, blocks, endpoint, remote, deadline, group, tp in meta.loads:
                 self._expect(receiver, rid, blocks, endpoint, remote, deadline, group, tp)
             for endpoint, remote, tp in meta.forgets:
-                for leg in self._legs_from(tp):
-                    receiver.forget(rank_endpoint(endpoint, leg.prefill_rank), remote)
+                for url in self._leg_urls(endpoint, tp):
+                    receiver.forget(url, remote)
             for rid in meta.cancels:
                 for leg_id in self._legs.legs(rid):
                     receiver.cancel(leg_id)
             for endpoint, remote, tp in meta.renews:
-                for leg in self._legs_from(tp):
-                    receiver.renew(rank_endpoint(endpoint, leg.prefill_rank), remote)
+                for url in self._leg_urls(endpoint, tp):
+                    receiver.renew(url, remote)
 
-    def _legs_from(self, tp: int) -> list[Leg]:
-        """This rank's legs from a prefill of ``tp`` ranks; none if they cannot pair."""
+    def _leg_urls(self, endpoint: str, tp: int) -> list[str]:
+        """The prefill ranks this rank loads from; none if the ranks cannot
+        pair or the endpoint is bad (its load failed naming it)."""
         plan = self._plan(tp)
-        return plan if isinstance(plan, list) else []
+        if isinstance(plan, str):
+            return []
+        urls = [_rank_url(endpoint, leg.prefill_rank) for leg in plan]
+        return [u for u in urls if u is not None]
 
     def _plan(self, tp: int) -> list[Leg] | str:
         if tp not in self._plans:
@@ -563,18 +578,23 @@ class KVGuardConnector(KVConnectorBase_V1):
             if self._legs.start(rid, blocks, [rid]):
                 self._legs_failed(rid, plan)
             return
+        urls = [_rank_url(endpoint, leg.prefill_rank) for leg in plan]
+        if None in urls:
+            if self._legs.start(rid, blocks, [rid]):
+                self._legs_failed(rid, f"no rank endpoints from {endpoint!r}", "bad_endpoint")
+            return
         single = len(plan) == 1 and plan[0].fan_in == 1
         ids = [rid if single else f"{rid}#{self.rank.rank}.{leg.prefill_rank}" for leg in plan]
         if not self._legs.start(rid, blocks, ids):
             return
-        for leg, leg_id in zip(plan, ids, strict=True):
-            url = rank_endpoint(endpoint, leg.prefill_rank)
+        for leg, leg_id, url in zip(plan, ids, urls, strict=True):
+            assert url is not None
             receiver.expect(leg_id, url, remote, blocks, deadline, group * leg.fan_in)
 
-    def _legs_failed(self, rid: str, why: str) -> None:
+    def _legs_failed(self, rid: str, why: str, reason: str = "incompatible") -> None:
         """A load that cannot start: failed at once, nothing was asked."""
         logger.error("kvguard: KV load of %s cannot start: %s", rid, why)
-        verdict = self._legs.reported(LoadOutcome(rid, False, "incompatible", why, 0.0))
+        verdict = self._legs.reported(LoadOutcome(rid, False, reason, why, 0.0))
         assert verdict is not None and verdict.final
         self._verdicts.append(verdict)
 
