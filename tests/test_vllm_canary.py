@@ -364,9 +364,6 @@ def assert_idle_and_serving(c: Canary, seed: int) -> None:
 # ==== the scenarios ============================================================
 
 
-@pytest.mark.xfail(
-    strict=False, reason="vLLM 0.32 shm_broadcast: a late wake-up stalls a step up to 5 s"
-)
 def test_slow_prefill_write_lands_in_fenced_blocks_only(canary: Canary) -> None:
     f = scenario(canary, seed=1)
     ROWS.append(f.row("slow prefill (canary)"))

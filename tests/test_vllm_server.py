@@ -247,18 +247,13 @@ def docs_commands() -> tuple[str, str]:
     return start, curl.partition("\n")[2]
 
 
-# vLLM 0.32's own step hand-over stalls on this host: the engine core and its
-# worker wake each other through shm_broadcast's SpinCondition, and a reader
-# idle for over 1 s waits for a ZeroMQ notification that here comes late or
-# not at all; it recovers at its 5 s recheck (SHM_READER_RECHECK_INTERVAL_MS),
-# so each such step costs up to 5 s, and a few in a row outlast a load's
-# deadline or a prefill's hold. Measured: the first PD wave after the servers
-# start failed in 2 of 2 runs, and with the recheck at 20 ms (vLLM's file
-# patched for the experiment only) 8 of 8 waves passed. Not kvguard's to fix
-# (docs/vllm.md, "Known vLLM issue"); until vLLM fixes it these scenarios
-# record what they see and are not proof.
+# These scenarios fail on this 2-core host when the whole module runs and
+# their cause is not found yet (docs/vllm.md, "Known issue: steps that stall
+# on a small host"): n = 2 and 4 pass run alone. Six scenarios once marked
+# so passed in both module runs on record (2026-12-03 and 2026-12-04) and
+# are plain tests now.
 DECODE_STALL = pytest.mark.xfail(
-    strict=False, reason="vLLM 0.32 shm_broadcast: a late wake-up stalls a step up to 5 s"
+    strict=False, reason="fails in the full module run on 2 cores; cause not found yet"
 )
 
 
@@ -308,7 +303,6 @@ def test_docs_commands_serve_a_pd_request_through_the_proxy() -> None:
 # ==== scenarios ================================================================
 
 
-@DECODE_STALL
 def test_one_request_through_pd_equals_non_pd(cluster: Cluster) -> None:
     prefill, decode = cluster.prefill, cluster.fail
     (want,) = references(cluster, decode, [PROMPTS[0]], [MAX_TOKENS])
@@ -324,7 +318,6 @@ def test_one_request_through_pd_equals_non_pd(cluster: Cluster) -> None:
     assert got.seconds < DEADLINE_S, got
 
 
-@DECODE_STALL
 def test_clean_concurrent_requests_through_kvguard_proxy(cluster: Cluster) -> None:
     c = cluster
     prompts = prompts_of(33, seed=1)
@@ -356,7 +349,6 @@ def test_clean_concurrent_requests_through_kvguard_proxy(cluster: Cluster) -> No
     settle(c, row)
 
 
-@DECODE_STALL
 def test_prefix_caching_with_shared_prefixes_on_both_sides(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(5)
@@ -392,7 +384,6 @@ def test_prefix_caching_with_shared_prefixes_on_both_sides(cluster: Cluster) -> 
     settle(c, row)
 
 
-@DECODE_STALL
 def test_client_disconnect_mid_load_leaves_decode_idle(cluster: Cluster) -> None:
     """The prefill is frozen after its step, so the decode's load waits; the client leaves.
 
@@ -532,7 +523,6 @@ def _decode_steps_with_prefill_fault(c: Cluster, sig: int, name: str) -> None:
     settle(c, fail_row)
 
 
-@DECODE_STALL
 def test_prefill_sigstop_mid_run_then_sigcont(cluster: Cluster) -> None:
     _decode_steps_with_prefill_fault(cluster, signal.SIGSTOP, "prefill SIGSTOP, SIGCONT after")
 

@@ -45,7 +45,7 @@ BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
 START_S = 300.0  # a server's start on a loaded 2-core machine
 # A "still serves" check asks for the longest deadline the servers allow
 # (kvguard_max_deadline_s): it checks that the decode serves, and must ride
-# out vLLM's own stalled steps (docs/vllm.md, "Known vLLM issue").
+# out stalled steps (docs/vllm.md, "Known issue: steps that stall on a small host").
 SERVES_KV: dict[str, Any] = {"kvguard_deadline_s": 60.0}
 
 SMALL = [
