@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvguard.vllm.decode_legs import DecodeLegs
+from kvguard.vllm.decode_legs import DecodeLegs, Verdict
 from kvguard.vllm.decode_loads import LoadOutcome
 from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint
 
@@ -173,3 +173,15 @@ def test_blocks_and_drop() -> None:
     assert legs_.blocks("r") == [5, 6] and legs_.blocks("x") == []
     assert legs_.drop("r") == [5, 6] and legs_.drop("r") == []
     assert legs_.reported(_ok("a")) is None and legs_.in_use() == {}
+
+
+def test_the_first_failure_names_the_request_and_the_slowest_leg_its_latency() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [1], ["a", "b", "c"])
+    early = legs_.reported(LoadOutcome("a", False, "timeout", "late", 0.5, fenced=True))
+    assert early == Verdict("r", [1], LoadOutcome("r", False, "timeout", "late", 0.5, True), False)
+    assert legs_.reported(LoadOutcome("b", False, "peer_lost", "gone", 0.9)) is None
+    assert legs_.reported(_ok("c", 0.2)) is None
+    assert legs_.recent_outcomes() == [LoadOutcome("r", False, "timeout", "late", 0.9, True)]
+    final = legs_.released("a")
+    assert final == Verdict("r", [1], LoadOutcome("r", False, "timeout", "late", 0.9, True), True)
