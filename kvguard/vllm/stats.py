@@ -14,8 +14,11 @@ vLLM carries a connector's figures in three hops, and each class here is one:
 Counters (transfers by outcome and reason, bytes) and the transfer-time
 samples are deltas: aggregating adds them. Gauges (held and quarantined
 blocks, the oldest live transfer's age) are the latest reading: aggregating
-keeps the newer one. That is exact across steps; across workers it would not
-be, and the connector runs one worker (tensor parallel size 1).
+keeps the newer one. That is exact across steps. Across tensor parallel
+ranks (vLLM aggregates their stats each step) counters add up per rank: a
+prefill of TP 2 counts each request's push twice, one per rank; gauges keep
+one rank's reading, which for blocks is every rank's (vLLM's block ids are
+the same on all ranks).
 """
 
 from __future__ import annotations
