@@ -49,6 +49,7 @@ from vllm_server import (
     Row,
     Server,
     ask,
+    ask_all,
     complete,
     free_port,
     kv_config,
@@ -591,20 +592,7 @@ def test_n_choices_each_equal_non_pd(cluster: Cluster, n: int) -> None:
     want = references(c, c.fail, prompts, [MAX_TOKENS] * 4, n=n)
     fresh(c.prefill, c.fail)
     row = Row(f"n = {n}, 4 requests via kvguard proxy")
-    proxy = Proxy([c.prefill.url], [c.fail.url]).start()
-    try:
-
-        async def go() -> list[Outcome]:
-            async with aiohttp.ClientSession() as http:
-                return list(
-                    await asyncio.gather(
-                        *(ask(http, proxy.url, p, MAX_TOKENS, **sampling(n)) for p in prompts)
-                    )
-                )
-
-        outs = run(go())
-    finally:
-        proxy.stop()
+    outs = ask_all(c.prefill, c.fail, prompts, MAX_TOKENS, **sampling(n))
     row.add(outs, want)
     ROWS.append(row)
     idle_after(c, row)
@@ -640,23 +628,7 @@ def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluste
     try:
         prefill.start()
         fresh(c.fail)
-        proxy = Proxy([prefill.url], [c.fail.url]).start()
-        try:
-
-            async def go() -> list[Outcome]:
-                async with aiohttp.ClientSession() as http:
-                    return list(
-                        await asyncio.gather(
-                            *(
-                                ask(http, proxy.url, p, m, timeout_s=240)
-                                for p, m in zip(prompts, tokens, strict=True)
-                            )
-                        )
-                    )
-
-            outs = run(go())
-        finally:
-            proxy.stop()
+        outs = ask_all(prefill, c.fail, prompts, tokens, timeout_s=240)
         row.add(outs, want)
         ROWS.append(row)
         idle_after(c, row)

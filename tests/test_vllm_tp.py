@@ -39,7 +39,7 @@ else:
 import aiohttp
 import vllm_server
 from test_vllm_server import prompts_of, run
-from vllm_server import SERVES_KV, Outcome, Proxy, Server, ask, complete, free_port, kv_config, pd
+from vllm_server import SERVES_KV, Outcome, Server, ask_all, complete, free_port, kv_config, pd
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -158,20 +158,7 @@ def test_every_pairing_loads_every_head(servers: Servers, prefill: str, decode: 
     want = references(d, prompts)
     fresh(p, d)
     before = d.tokens_by_source()
-    proxy = Proxy([p.url], [d.url]).start()
-    try:
-
-        async def go() -> list[Outcome]:
-            async with aiohttp.ClientSession() as http:
-                return list(
-                    await asyncio.gather(
-                        *(ask(http, proxy.url, q, MAX_TOKENS, timeout_s=120) for q in prompts)
-                    )
-                )
-
-        outs = run(go())
-    finally:
-        proxy.stop()
+    outs = ask_all(p, d, prompts, MAX_TOKENS, timeout_s=120)
     bad = [(i, o) for i, (o, w) in enumerate(zip(outs, want, strict=True)) if o.tokens != w]
     assert not bad, f"{p.name} -> {d.name}: {bad[:4]}\n{servers.logs()}"
     moved = d.tokens_by_source() - before

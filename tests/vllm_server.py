@@ -429,6 +429,37 @@ async def ask(
     return out
 
 
+def ask_all(
+    prefill: Server,
+    decode: Server,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int | Sequence[int],
+    timeout_s: float = 60.0,
+    **extra: Any,
+) -> list[Outcome]:
+    """``prompts`` at once through a ``kvguard proxy`` started for ``prefill``
+    and ``decode`` (stopped after); each outcome, in order. ``max_tokens``:
+    one for all, or one per prompt."""
+    tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    proxy = Proxy([prefill.url], [decode.url]).start()
+
+    async def go() -> list[Outcome]:
+        async with aiohttp.ClientSession() as http:
+            return list(
+                await asyncio.gather(
+                    *(
+                        ask(http, proxy.url, p, m, timeout_s, **extra)
+                        for p, m in zip(prompts, tokens, strict=True)
+                    )
+                )
+            )
+
+    try:
+        return asyncio.run(go())
+    finally:
+        proxy.stop()
+
+
 async def prefill_step(
     http: aiohttp.ClientSession, prefill: Server, prompt: Sequence[int], **kv: Any
 ) -> tuple[Outcome, dict[str, Any] | None]:
