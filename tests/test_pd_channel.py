@@ -10,8 +10,11 @@ garbage on the wire changes nothing.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -196,6 +199,315 @@ def test_nobody_listening_at_first_contact_fails_at_once(pair: Pair) -> None:
     out = pair.outcomes["d1"]
     assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", False), out
     assert "refused" in out.detail
+
+
+def _port_nobody_listens_on() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_link_connected_to_itself_fails_its_loads_at_once_unfenced(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TCP self-connect: dialling a port nothing listens on can pick that same
+    port as the source (it is in the kernel's ephemeral range) and connect
+    the socket to itself; ZeroMQ then hands the DEALER its own Push. Forced
+    here with ZeroMQ's source-address syntax: nothing listens, so the load
+    fails at once, unfenced, instead of waiting out its deadline fenced."""
+    from kvguard.vllm import decode_loads
+
+    port = _port_nobody_listens_on()
+    looped = f"tcp://127.0.0.1:{port};127.0.0.1:{port}"
+    monkeypatch.setattr(decode_loads, "prefill_url", lambda endpoint: looped)
+    pair.receiver.expect("d1", f"127.0.0.1:{port}", "r1", [1], time.monotonic() + 30)
+    pair.until(lambda: "d1" in pair.outcomes)  # not the 30 s deadline
+    out = pair.outcomes["d1"]
+    assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", False), out
+    assert out.detail == f"prefill {looped}: connected to itself, nothing listens there"
+    pair.until(lambda: pair.receiver.links() == 0)  # the looped link is closed
+    monkeypatch.undo()
+    pair.sender.hold("r2", [5], time.monotonic() + 5)  # still serving
+    pair.receiver.expect("d2", pair.sender.endpoint, "r2", [6], time.monotonic() + 5)
+    pair.until(lambda: "d2" in pair.outcomes)
+    assert pair.outcomes["d2"].ok and same(pair, [5], [6])
+
+
+def test_a_probe_connected_to_itself_counts_as_nothing_listening(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost prefill's probe that connects to itself proves nothing listens
+    (as a refusal does): the fenced load's blocks come back."""
+    import socket
+
+    def looped(address: tuple[str, int], timeout: float) -> socket.socket:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.connect(s.getsockname())  # a real self-connected socket
+        return s
+
+    pair.receiver.expect("d0", pair.sender.endpoint, "x", [1], time.monotonic() + 30)
+    time.sleep(0.2)  # connected, the push waiting at the sender for its hold
+    monkeypatch.setattr(socket, "create_connection", looped)
+    pair.sender.close(timeout=2.0)
+    pair.until(lambda: pair.unfenced == ["d0"])
+    out = pair.outcomes["d0"]
+    assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
+
+
+class _Gate:
+    """A TCP relay to ``target``. Shut, it holds the connections it accepts
+    (accepted, never answered: no ZeroMQ handshake, no refusal); open, it
+    relays them. ``release()`` opens it and closes what it held (their
+    ZeroMQ peers connect again, through the relay); ``cut()`` closes every
+    relayed connection, as a network partition ending a session would."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self._target = (host, int(port))
+        self.open = False
+        self.held: list[socket.socket] = []
+        self.relayed: list[socket.socket] = []
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self._srv.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        def pipe(a: socket.socket, b: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := a.recv(65536):
+                    b.sendall(data)
+            for end in (a, b):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            if not self.open:
+                self.held.append(conn)
+                continue
+            up = socket.create_connection(self._target)
+            self.relayed += [conn, up]
+            threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
+            threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+
+    @staticmethod
+    def _close(conns: list[Any]) -> None:
+        import socket
+
+        while conns:
+            conn = conns.pop()
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def release(self) -> None:
+        self.open = True
+        self._close(self.held)
+
+    def cut(self) -> None:
+        self.open = False
+        self._close(self.relayed)
+
+    def close(self) -> None:
+        self._srv.close()
+        self._close(self.held)
+        self._close(self.relayed)
+
+
+def test_a_link_that_never_comes_up_connects_again_and_its_push_lands(
+    pair: Pair, all_levels: None
+) -> None:
+    """The prefill's address accepts the TCP connection but nothing answers:
+    no handshake, and no refusal either. After ``heartbeat_timeout_s`` the
+    link is stalled and connected again with its push (each time logged);
+    once the path works, the load lands, well before its deadline."""
+    from structlog.testing import capture_logs
+
+    gate = _Gate(pair.sender.endpoint)
+    try:
+        with capture_logs() as logs:
+            pair.sender.hold("r1", [2, 3], time.monotonic() + 30)
+            pair.receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
+
+            def stalled() -> list[dict[str, object]]:
+                return [e for e in logs if e["event"] == "prefill_link_stalled"]
+
+            pair.until(lambda: len(stalled()) >= 2)
+            first = stalled()[0]
+            want = (gate.endpoint, 1, "warning", "connected")
+            assert (
+                first["endpoint"],
+                first["waits"],
+                first["log_level"],
+                first["last_event"],
+            ) == want
+            assert "d1" not in pair.outcomes  # stalled is not failed: its deadline is 30 s off
+            gate.open = True
+            pair.until(lambda: "d1" in pair.outcomes)
+    finally:
+        gate.close()
+    out = pair.outcomes["d1"]
+    assert out == LoadOutcome("d1", True, "", "", out.latency_s), out
+    assert same(pair, [2, 3], [4, 5])
+
+
+def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def test_a_remade_link_dropped_before_its_handshake_keeps_its_load_fenced(
+    pair: Pair, all_levels: None
+) -> None:
+    """The stalled socket may have handshaken unseen as it closed, so the
+    prefill may hold its push: a drop of the link made in its place, before
+    that one's handshake, is no proof nothing was delivered. The load fails
+    fenced, probes find the port listening, and only the prefill's answer,
+    once the path works, lets its blocks go."""
+    from structlog.testing import capture_logs
+
+    gate = _Gate(pair.sender.endpoint)
+    try:
+        with capture_logs() as logs:
+            pair.receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
+            pair.until(lambda: bool(_events(logs, "prefill_link_stalled")) and len(gate.held) >= 2)
+            gate._close(gate.held)  # the re-made link drops; the gate stays shut
+            pair.until(lambda: "d1" in pair.outcomes)
+            out = pair.outcomes["d1"]
+            assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
+            assert out.detail == f"prefill {gate.endpoint}: connection dropped"
+            time.sleep(1.0)  # two probes: the gate accepts, nothing proves the prefill gone
+            pair.poll()
+            assert pair.unfenced == []
+            gate.release()
+            pair.until(lambda: pair.unfenced == ["d1"])
+            assert [e["was_lost"] for e in _events(logs, "prefill_link_up")] == [True]
+    finally:
+        gate.close()
+
+
+def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
+    pair: Pair, all_levels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that accepts and never answers is dialled again after
+    ``heartbeat_timeout_s``, then twice, four times as long; a new socket
+    that cannot be made leaves the old one and its load in place."""
+    from structlog.testing import capture_logs
+
+    receiver = pair.receiver
+    real_open = receiver._open
+    opened: list[str] = []
+
+    def flaky(endpoint: str) -> Any:
+        opened.append(endpoint)
+        if len(opened) == 2:
+            raise zmq.ZMQError(errno.EMFILE)
+        return real_open(endpoint)
+
+    monkeypatch.setattr(receiver, "_open", flaky)
+    gate = _Gate(pair.sender.endpoint)
+    try:
+        with capture_logs() as logs:
+            receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
+            pair.until(lambda: len(_events(logs, "prefill_link_stalled")) >= 3)
+            stalls = [e["after_s"] for e in _events(logs, "prefill_link_stalled")]
+            assert all(after >= 0.6 * 2**k for k, after in enumerate(stalls)), stalls
+            failed = _events(logs, "prefill_link_reopen_failed")
+            assert [(e["endpoint"], e["log_level"]) for e in failed] == [(gate.endpoint, "warning")]
+            assert len(opened) == 4 and receiver.links() == 1  # the expect, then a stall each
+            assert "d1" not in pair.outcomes  # stalled is not failed
+            gate.release()  # the held connection drops: fenced until the prefill answers
+            pair.until(lambda: pair.unfenced == ["d1"])
+    finally:
+        gate.close()
+    out = pair.outcomes["d1"]
+    assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
+
+
+def test_a_load_asked_while_its_link_is_lost_is_not_aborted_when_it_returns(
+    pair: Pair, all_levels: None
+) -> None:
+    """On a lost link's new handshake the decode asks again for the verdicts
+    it gave up on, and only those: a push made while the link was down is
+    delivered then and must land, not be aborted with them."""
+    from structlog.testing import capture_logs
+
+    gate = _Gate(pair.sender.endpoint)
+    gate.open = True
+    try:
+        with capture_logs() as logs:
+            pair.sender.hold("r1", [1], time.monotonic() + 30)
+            pair.receiver.expect("d1", gate.endpoint, "r1", [2], time.monotonic() + 30)
+            pair.until(lambda: "d1" in pair.outcomes)
+            gate.cut()
+            pair.until(lambda: bool(_events(logs, "prefill_link_lost")))
+            pair.receiver.expect("d2", gate.endpoint, "r2", [4], time.monotonic() + 30)
+            gate.release()
+            pair.until(lambda: len(_events(logs, "prefill_link_up")) == 2)
+            time.sleep(0.3)  # the push reaches the sender before its hold
+            pair.sender.hold("r2", [3], time.monotonic() + 30)
+            pair.until(lambda: "d2" in pair.outcomes)
+    finally:
+        gate.close()
+    assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
+    out = pair.outcomes["d2"]
+    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
+    assert same(pair, [1, 3], [2, 4])
+
+
+def test_a_verdict_lost_on_the_way_is_asked_for_again() -> None:
+    """The prefill's Result for a given-up load never arrives (sent while the
+    decode's connection changed hands: ZeroMQ drops it, EHOSTUNREACH): the
+    decode asks again every ``heartbeat_timeout_s`` until it is answered,
+    so the fenced blocks come back instead of staying out for good."""
+    backend = LocalBackend(workers=1)
+    receiver = DecodeReceiver(
+        peer_message_of(backend.register_peer("d:9", KVCache(LAYOUT))),
+        heartbeat_s=0.2,
+        heartbeat_timeout_s=0.6,
+    )
+    ctx = zmq.Context.instance()
+    router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        receiver.expect("d1", f"127.0.0.1:{port}", "r1", [1], time.monotonic() + 0.5)
+        aborts: list[float] = []
+        outcome: LoadOutcome | None = None
+        released: list[str] = []
+        end = time.monotonic() + 10
+        while not released:
+            assert time.monotonic() < end, (aborts, outcome)
+            if router.poll(10):
+                ident, body = router.recv_multipart()
+                msg = decode_from_decode(body)
+                if isinstance(msg, Abort):
+                    aborts.append(time.monotonic())
+                    if len(aborts) == 2:  # the first answer was "lost": answer the second
+                        reply = Result(msg.request_id, msg.load_id, False, "aborted")
+                        router.send_multipart([ident, encode(reply)])
+            for out in receiver.take_finished():
+                outcome = out
+            released += receiver.take_released()
+        assert outcome is not None
+        assert (outcome.ok, outcome.reason, outcome.fenced) == (False, "timeout", True), outcome
+        assert released == ["d1"] and len(aborts) == 2, aborts
+        assert aborts[1] - aborts[0] >= 0.6, aborts  # asked again after the stall bound
+    finally:
+        receiver.close()
+        router.close()
+        backend.close()
 
 
 def test_a_cancelled_load_is_reported_only_after_the_prefill_let_go() -> None:
@@ -417,6 +729,26 @@ def test_a_push_that_cannot_start_is_answered_at_once_and_touches_nothing(
         assert (res.ok, res.reason) == (False, reason) and detail in res.detail, res
         assert pair.sender.stats.pushed == 0 and pair.sender.stats.refused == 1
         assert pair.sender.holding() == 1  # another decode may still ask in time
+    finally:
+        sock.close()
+
+
+def test_a_refused_load_pushed_again_starts_nothing(pair: Pair) -> None:
+    """A decode re-sends its push on a new connection (the old one stalled
+    and may have delivered it): once refused, the same load must not start,
+    since its decode heard it failed and vLLM may reuse its blocks; another
+    load of the request still may."""
+    pair.sender.hold("r1", [1], time.monotonic() + 5)
+    sock = raw_decode(pair)
+    try:
+        sock.send(encode(push_of(pair, "r1", "d1", compat="float16/x")))
+        assert answer(sock).reason == "PeerProtocolError"
+        sock.send(encode(push_of(pair, "r1", "d1")))  # valid now, same load
+        assert not sock.poll(300)
+        assert (pair.sender.stats.pushed, pair.sender.stats.refused) == (0, 1)
+        sock.send(encode(push_of(pair, "r1", "d2")))
+        assert answer(sock) == Result("r1", "d2", True, "", "")
+        assert pair.sender.stats.pushed == 1
     finally:
         sock.close()
 

@@ -10,7 +10,8 @@ as loaded or as failed, at the first of:
   prefill writes its blocks (kvguard released the transfer: terminal AND
   quiesced, or it never started);
 * proof the prefill is gone: nothing listens on its control port (a plain
-  TCP connect is refused; a killed process's socket closes with it, while a
+  TCP connect is refused, or connects to itself, which the kernel does only
+  where nothing listens; a killed process's socket closes with it, while a
   stopped one's port still accepts);
 * its deadline, or the prefill falling silent (its connection drops: a
   kill, or ZeroMQ heartbeats unanswered for ``heartbeat_timeout_s``: a
@@ -22,8 +23,10 @@ as loaded or as failed, at the first of:
 One ``kvguard-vllm-receiver`` thread owns every socket (one DEALER per
 prefill endpoint, with its monitor); the engine's calls reach it through a
 queue. A link whose prefill refused the connection is closed with whatever
-it still queued (a prefill started later on that port gets none of it), and
-a link idle for ``IDLE_LINK_S`` is closed too.
+it still queued (a prefill started later on that port gets none of it), a
+link with no handshake ``heartbeat_timeout_s`` after its connect (accepted,
+never answered) connects again and asks again, and a link idle for
+``IDLE_LINK_S`` is closed.
 """
 
 from __future__ import annotations
@@ -48,7 +51,16 @@ from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
-from .protocol import MAX_FRAME_BYTES, Abort, Push, Renew, Result, decode_from_prefill, encode
+from .protocol import (
+    MAX_FRAME_BYTES,
+    Abort,
+    Push,
+    Renew,
+    Result,
+    decode_from_decode,
+    decode_from_prefill,
+    encode,
+)
 
 __all__ = ["DecodeReceiver", "LoadOutcome", "prefill_url"]
 
@@ -62,17 +74,42 @@ IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
 # still accepts, so ZeroMQ's own retries prove nothing).
 _PROBE_EVERY_S: Final = 0.5
 _PROBE_TIMEOUT_S: Final = 0.2
-_EVENTS: Final = (
+# A stalled link's wait before it is made again doubles up to 2**this times
+# ``heartbeat_timeout_s``.
+_MAX_BACKOFF_DOUBLINGS: Final = 4
+# The events that change a link; the others are only noted (``last_event``).
+_EVENTS_ACTED_ON: Final = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_CLOSED
 )
+_EVENTS: Final = (
+    _EVENTS_ACTED_ON
+    | zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_DELAYED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 _EVENT_WORDS: Final[dict[int, str]] = {
     int(zmq.EVENT_DISCONNECTED): "connection dropped",
     int(zmq.EVENT_CONNECT_RETRIED): "connection refused",
     int(zmq.EVENT_CLOSED): "connection refused or closed",
+    int(zmq.EVENT_CONNECTED): "connected",
+    int(zmq.EVENT_CONNECT_DELAYED): "connecting",
+    int(zmq.EVENT_HANDSHAKE_SUCCEEDED): "handshake done",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake failed",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake failed (protocol)",
 }
+
+
+def _ours(body: bytes) -> bool:
+    """Is ``body`` a message a decode sends (a frame we sent, come back)?"""
+    try:
+        decode_from_decode(body)
+    except PeerProtocolError:
+        return False
+    return True
 
 
 def prefill_url(endpoint: str) -> str:
@@ -101,6 +138,8 @@ class _Wait:
     remote_id: str
     deadline: float  # time.monotonic()
     started: float
+    push: bytes  # what asked for it, sent again on a new link (_reconnect)
+    asked: float = 0.0  # time.monotonic() of the last Abort: given up, asked again until answered
     reported: bool = False  # the engine has a fenced outcome; the verdict releases it
     cancelled: bool = False  # the engine gave up; the verdict reports it
 
@@ -113,8 +152,16 @@ class _Link:
     monitor: zmq.Socket[bytes]
     up: bool = False  # a ZMTP handshake succeeded and no drop since
     lost: bool = False  # dropped since the last handshake: what we asked may be lost
+    # Nothing sent for these waits can have reached the prefill unless this
+    # socket's monitor says so (a handshake). False on a link that replaced
+    # a stalled one: the old socket's handshake may have happened unseen, so
+    # a drop before this one's handshake proves nothing; only a refusal does.
+    fresh: bool = True
     waits: set[str] = field(default_factory=set)  # local ids awaiting this prefill's verdict
     used: float = 0.0  # time.monotonic() of the last expect
+    born: float = 0.0  # time.monotonic() of the connect: a link not up soon after is stalled
+    stalls: int = 0  # connects in a row that never came up; each waits twice as long
+    last_event: str = "none"  # the monitor's latest word, for a stalled link's log
     probe_at: float = 0.0  # lost: when to probe the prefill's port next
 
 
@@ -141,6 +188,9 @@ class DecodeReceiver:
         self._heads = heads
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
+        # A link with no handshake this long after its connect is stalled
+        # (on a live network one takes milliseconds; a refusal is an event).
+        self._stall_s = heartbeat_timeout_s
         self._margin_s = margin_s
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -248,13 +298,21 @@ class DecodeReceiver:
             if ready.get(link.monitor):
                 self._monitor(poller, endpoint, link)
             if ready.get(link.sock) and endpoint in self._links:
-                self._results(endpoint, link)
+                self._results(poller, endpoint, link)
         self._expire(poller, time.monotonic())
 
     def _link(self, poller: zmq.Poller, endpoint: str) -> _Link:
         link = self._links.get(endpoint)
         if link is None:
-            sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+            link = self._open(endpoint)
+            self._add_link(poller, endpoint, link)
+        return link
+
+    def _open(self, endpoint: str) -> _Link:
+        """A new DEALER connecting to ``endpoint``, with its monitor (ZMQError:
+        nothing was made)."""
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.HEARTBEAT_IVL, self._hb_ms)
@@ -265,16 +323,27 @@ class DecodeReceiver:
             # new connection over and its late Results reach us.
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
             monitor = sock.get_monitor_socket(_EVENTS)
+        except zmq.ZMQError:
+            sock.close()
+            raise
+        try:
             sock.connect(endpoint)
-            link = _Link(sock, monitor, used=time.monotonic())
-            self._links[endpoint] = link
-            poller.register(sock, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
-        return link
+        except zmq.ZMQError:
+            monitor.close()
+            sock.close()
+            raise
+        now = time.monotonic()
+        return _Link(sock, monitor, used=now, born=now)
+
+    def _add_link(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
+        self._links[endpoint] = link
+        poller.register(link.sock, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
 
     def _drop_link(self, poller: zmq.Poller, endpoint: str) -> None:
         """Close a link with whatever it still queued (LINGER 0)."""
         link = self._links.pop(endpoint)
+        _log.info("prefill_link_closed", endpoint=endpoint, up=link.up, lost=link.lost)
         for sock in (link.sock, link.monitor):
             poller.unregister(sock)
             sock.close()
@@ -302,15 +371,15 @@ class DecodeReceiver:
                     LoadOutcome(rid, False, "timeout", "deadline passed before asking", 0.0)
                 )
                 return
-            self._waits[rid] = _Wait(url, remote_id, deadline, now)
-            link.used = now
-            link.waits.add(rid)
             expires = time.time() + left
             first, count = self._heads
             push = Push(
                 remote_id, rid, blocks, self._peer, expires, self._compat, group, first, count
             )
-            self._send(link, encode(push))
+            self._waits[rid] = _Wait(url, remote_id, deadline, now, encode(push))
+            link.used = now
+            link.waits.add(rid)
+            self._send(link, self._waits[rid].push)
         elif kind == "cancel":
             (rid,) = args
             assert isinstance(rid, str)
@@ -331,6 +400,7 @@ class DecodeReceiver:
     def _abort(self, poller: zmq.Poller, rid: str, wait: _Wait) -> None:
         link = self._links.get(wait.endpoint)
         if link is not None:
+            wait.asked = time.monotonic()
             self._send(link, encode(Abort(wait.remote_id, rid)))
 
     def _send(self, link: _Link, body: bytes) -> None:
@@ -345,34 +415,91 @@ class DecodeReceiver:
                 event = recv_monitor_message(link.monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ev = event["event"]
-            what = f"prefill {endpoint}: {_EVENT_WORDS.get(int(ev), f'event {ev}')}"
+            ev = int(event["event"])
+            link.last_event = _EVENT_WORDS.get(ev, f"event {ev}")
+            what = f"prefill {endpoint}: {link.last_event}"
+            if ev == zmq.EVENT_CONNECTED:
+                continue  # TCP only: nothing flows before the handshake
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if link.lost:  # what we asked may be lost: ask for every verdict again
+                _log.info(
+                    "prefill_link_up", endpoint=endpoint, was_lost=link.lost, waits=len(link.waits)
+                )
+                if link.lost or not link.fresh:
+                    # What we asked may be lost: ask again for every verdict
+                    # we gave up on (pushes sent since are queued on this
+                    # socket and arrive now).
                     for rid in link.waits:
-                        self._abort(poller, rid, self._waits[rid])
-                link.up, link.lost = True, False
-            elif not link.up and not link.lost:
-                # Never connected: nothing we sent was delivered (messages
-                # flow only after a handshake), and closing the link drops
-                # what it queued, so no prefill started later gets it.
+                        wait = self._waits[rid]
+                        if wait.reported or wait.cancelled:
+                            self._abort(poller, rid, wait)
+                link.up, link.lost, link.fresh, link.stalls = True, False, True, 0
+                continue
+            if not ev & _EVENTS_ACTED_ON or link.lost:
+                continue  # a lost link waits for its handshake or a probe (_expire)
+            if link.up and ev != zmq.EVENT_DISCONNECTED:
+                continue  # only a drop ends an up link's session
+            if not link.up and (link.fresh or ev == zmq.EVENT_CONNECT_RETRIED):
+                # Never connected, or refused: nothing we sent was delivered
+                # (messages flow only after a handshake), and closing the link
+                # drops what it queued, so no prefill started later gets it.
                 self._drop_all(poller, endpoint, link, what)
                 return
-            elif ev == zmq.EVENT_DISCONNECTED and link.up:
-                # Dropped: killed, or silent (frozen, partitioned). Not proof:
-                # a frozen prefill writes on thaw; the loads stay fenced until
-                # its Result, or a probe finds nothing listening (_expire).
-                link.up, link.lost = False, True
-                link.probe_at = time.monotonic()
-                for rid in link.waits:
-                    self._give_up(rid, "peer_lost", what)
+            # Dropped: killed, or silent (frozen, partitioned), or a replaced
+            # link's drop before its handshake. Not proof: a frozen prefill
+            # writes on thaw; the loads stay fenced until its Result, or a
+            # probe finds nothing listening (_expire).
+            _log.info("prefill_link_lost", endpoint=endpoint, waits=len(link.waits))
+            link.up, link.lost = False, True
+            link.probe_at = time.monotonic()
+            for rid in link.waits:
+                self._give_up(rid, "peer_lost", what)
+
+    def _reconnect(self, poller: zmq.Poller, endpoint: str, link: _Link, now: float) -> None:
+        """A link that never came up: connect again, asking again for its
+        pushes, and for the verdicts of its loads given up meanwhile. The old
+        socket's handshake may happen unseen as it closes, so the new link is
+        not ``fresh``: only the prefill's answer or a refusal frees a block."""
+        self._monitor(poller, endpoint, link)  # what it said up to now
+        if self._links.get(endpoint) is not link or link.up or link.lost:
+            return  # it came up, dropped or was closed meanwhile
+        _log.warning(
+            "prefill_link_stalled",
+            endpoint=endpoint,
+            waits=len(link.waits),
+            after_s=round(now - link.born, 3),
+            last_event=link.last_event,
+        )
+        try:
+            new = self._open(endpoint)  # before the old one closes: it keeps the waits
+        except zmq.ZMQError as exc:
+            _log.warning("prefill_link_reopen_failed", endpoint=endpoint, error=str(exc))
+            link.born, link.stalls = now, link.stalls + 1
+            return
+        new.waits, new.used, new.fresh = link.waits, link.used, False
+        new.stalls = link.stalls + 1
+        self._drop_link(poller, endpoint)
+        self._add_link(poller, endpoint, new)
+        for rid in new.waits:
+            wait = self._waits[rid]
+            if wait.reported or wait.cancelled:
+                self._abort(poller, rid, wait)
+            else:
+                self._send(new, wait.push)
+
+    def _stalled(self, link: _Link, now: float) -> bool:
+        """No handshake long after the connect (backing off: a peer that
+        accepts and never answers is not dialled every few seconds for good)."""
+        if link.up or link.lost or not link.waits:
+            return False
+        backoff = 1 << min(link.stalls, _MAX_BACKOFF_DOUBLINGS)
+        return now - link.born > self._stall_s * backoff
 
     def _drop_all(self, poller: zmq.Poller, endpoint: str, link: _Link, what: str) -> None:
         for rid in list(link.waits):
             self._over(rid, Result(self._waits[rid].remote_id, rid, False, "peer_lost", what))
         self._drop_link(poller, endpoint)
 
-    def _results(self, endpoint: str, link: _Link) -> None:
+    def _results(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
         while True:
             try:
                 body = link.sock.recv(flags=zmq.NOBLOCK)
@@ -381,6 +508,13 @@ class DecodeReceiver:
             try:
                 res = decode_from_prefill(body)
             except PeerProtocolError as exc:
+                if _ours(body):
+                    # Our own message came back: the link connected to
+                    # itself (TCP self-connect: dialling a port nothing
+                    # listens on, from that same port), so nothing listens.
+                    what = f"prefill {endpoint}: connected to itself, nothing listens there"
+                    self._drop_all(poller, endpoint, link, what)
+                    return
                 _log.warning("bad_prefill_message", endpoint=endpoint, error=str(exc))
                 continue
             wait = self._waits.get(res.load_id)
@@ -397,20 +531,34 @@ class DecodeReceiver:
         if parts.hostname is None or parts.port is None:
             return
         try:
-            socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S).close()
+            with socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S) as s:
+                if s.getsockname() != s.getpeername():
+                    return  # something listens: perhaps the frozen prefill
         except ConnectionRefusedError:
-            self._drop_all(poller, endpoint, link, f"prefill {endpoint}: connection refused")
+            pass
         except OSError:
             return  # unreachable or slow: silent, not proof
+        # Refused, or connected to itself (TCP self-connect), which happens
+        # only where nothing listens.
+        self._drop_all(poller, endpoint, link, f"prefill {endpoint}: connection refused")
 
     def _expire(self, poller: zmq.Poller, now: float) -> None:
         for rid, wait in self._waits.items():
             if wait.deadline <= now and not wait.reported and not wait.cancelled:
                 self._abort(poller, rid, wait)  # answered once nothing writes its blocks
                 self._give_up(rid, "timeout", "no verdict from the prefill by the deadline")
+            elif (wait.reported or wait.cancelled) and now - wait.asked > self._stall_s:
+                # A verdict can be lost on the way (the prefill replied while
+                # our connection changed hands): ask again while the link is
+                # up; the prefill answers every Abort, once nothing writes.
+                link = self._links.get(wait.endpoint)
+                if link is not None and link.up:
+                    self._abort(poller, rid, wait)
         for endpoint, link in list(self._links.items()):
             if link.lost and link.waits and link.probe_at <= now:
                 self._probe(poller, endpoint, link, now)
+            elif self._stalled(link, now):
+                self._reconnect(poller, endpoint, link, now)
             elif not link.waits and now - link.used > IDLE_LINK_S:
                 self._drop_link(poller, endpoint)
 

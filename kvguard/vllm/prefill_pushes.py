@@ -103,6 +103,10 @@ class _Held:
     # Each decode request of the group loads at most once: answered or
     # forgotten, it is settled. The hold waits for the whole group.
     answered: set[str] = field(default_factory=set)  # load ids, transfer run or not
+    # Load ids whose push was refused: a settle-nothing answer, but a second
+    # push of the same load (a decode re-sending on a new connection) must
+    # not start what the decode already heard had failed.
+    refused: set[str] = field(default_factory=set)
     forgotten: int = 0  # decode requests of the group that will never push
     group: int = 1  # the decode's group size: the largest a push said
 
@@ -311,7 +315,7 @@ class PrefillSender:
         elif held is None:
             what = f"request {ended}" if ended else "too many unknown requests"
             self._answer(ident, msg, "unknown_request", what)
-        elif msg.load_id in held.loads or msg.load_id in held.answered:
+        elif any(msg.load_id in ids for ids in (held.loads, held.answered, held.refused)):
             _log.warning("push_duplicate", request=rid, load=msg.load_id)
         else:
             self._start(rid, ident, msg)
@@ -433,8 +437,7 @@ class PrefillSender:
             self._outbox.append((load.ident, encode(result)))
             if load.peer:
                 self._peer_loads[load.peer] -= 1
-            if settles:
-                held.answered.add(load_id)
+            (held.answered if settles else held.refused).add(load_id)
             last = held.settled() or (not held.loads and held.deadline <= time.monotonic())
         if last:
             self._end(rid, "done" if result.ok else f"failed:{result.reason}")
