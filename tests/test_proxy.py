@@ -41,6 +41,7 @@ from kvguard.proxy import Failure, ProxyConfig, ProxyError, serve
 from kvguard.proxy.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    KV_LOADS,
     PREFILL_KV_TRANSFER_PARAMS,
     decode_request,
     prefill_request,
@@ -312,7 +313,7 @@ def toy_prefill(body: dict[str, Any]) -> dict[str, Any]:
 
 TOY_CASES = [
     (COMPLETIONS, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 9}),
-    (COMPLETIONS, {"model": "m", "prompt": "a", "max_tokens": 9, "min_tokens": 3, "n": 2}),
+    (COMPLETIONS, {"model": "m", "prompt": "a", "max_tokens": 9, "min_tokens": 3, "n": 1}),
     (
         COMPLETIONS,
         {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}, "seed": 7},
@@ -343,6 +344,31 @@ def test_the_prefill_body_is_vllm_toy_proxys_field_by_field(
     # the decode leg: the client's body, kv_transfer_params replaced
     params = {"do_remote_prefill": True, "kvguard_request_id": "r"}
     assert decode_request(body, params) == {**body, "kv_transfer_params": params}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT_COMPLETIONS])
+def test_n_choices_prefill_once_and_tell_the_decode_how_many_load(path: str) -> None:
+    body = {"prompt": "a", "max_tokens": 9, "n": 3, "temperature": 1.0}
+    assert prefill_request(path, body)["n"] == 1
+    got = decode_request(body, {"do_remote_prefill": True, "kvguard_request_id": "r"})
+    assert got == {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "kvguard_request_id": "r",
+            KV_LOADS: 3,
+        },
+    }
+    assert KV_LOADS == "kvguard_loads"
+
+
+@pytest.mark.parametrize("n", [None, 1, 0, -2, "3", 2.0, True])
+def test_an_n_of_one_or_not_an_int_is_passed_on_unchanged(n: object) -> None:
+    """The decode server rejects a bad n, naming it; the proxy adds nothing."""
+    body: dict[str, Any] = {"prompt": "a"} if n is None else {"prompt": "a", "n": n}
+    prefill = prefill_request(COMPLETIONS, body)
+    assert ("n" in prefill, prefill.get("n")) == ("n" in body, body.get("n"))
+    assert decode_request(body, {"x": 1}) == {**body, "kv_transfer_params": {"x": 1}}
 
 
 def test_the_two_additions_to_the_toy_protocol() -> None:

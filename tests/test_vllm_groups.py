@@ -1,12 +1,16 @@
 """The decode scheduler's load groups: n > 1 children load one prefill request.
 
 vLLM splits a request with n > 1 into n engine requests that share one
-``kvguard_request_id``. They arrive together but the scheduler may allocate
-them steps apart (token budget, free blocks): each load must still tell the
-prefill the whole group, or the prefill ends its hold after the first child
-and the others get ``unknown_request``. Runs the real scheduler-side
-connector in ``.venv-vllm``; the requests are the fields vLLM's scheduler
-hands it.
+``kvguard_request_id``. Its API server adds them one message at a time, so
+the engine may allocate and push one before the next arrives, and the
+scheduler may allocate them steps apart (token budget, free blocks): each
+load must still tell the prefill the whole group, or the prefill ends its
+hold after the first child and the others get ``unknown_request``. The
+group's size is what the children seen say, or what the client declared
+(``kvguard_loads``, which kvguard proxy sets to n), whichever is larger.
+
+Runs the real scheduler-side connector in ``.venv-vllm``; the requests are
+the fields vLLM's scheduler hands it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
@@ -45,14 +50,16 @@ def connector() -> Iterator[KVGuardConnector]:
     yield KVGuardConnector(VllmConfig(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
 
 
-def request(rid: str, remote: str) -> Any:
-    params = {
+def request(rid: str, remote: str, loads: object = None) -> Any:
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "kvguard_endpoint": ENDPOINT,
         "kvguard_request_id": remote,
         "kvguard_deadline_s": 10.0,
         "kvguard_hold_s": 30.0,
     }
+    if loads is not None:
+        params["kvguard_loads"] = loads
     return SimpleNamespace(
         request_id=rid,
         kv_transfer_params=params,
@@ -171,3 +178,66 @@ def test_a_lone_request_aborted_before_allocation_is_forgotten_at_once(
     meta = step(c)
     assert (meta.forgets, meta.loads) == ([(ENDPOINT, "prefill-e", 1)], [])
     assert c._groups == {}
+
+
+def test_a_declared_group_counts_children_not_yet_arrived(connector: KVGuardConnector) -> None:
+    """The server run (n = 2 via the proxy) that failed before: child 0
+    pushed alone said 1, the prefill ended its hold with that load, and
+    child 1, added a step later, got ``unknown_request``."""
+    c = connector
+    first, second = request("0_cmpl-f", "prefill-f", 2), request("1_cmpl-f", "prefill-f", 2)
+    c.on_new_request(first)
+    allocate(c, first, 1)
+    assert [(load[0], load[5]) for load in step(c).loads] == [("0_cmpl-f", 2)]
+    finish(c, first)  # even its group ended before the sibling arrived
+    assert c._groups == {}
+    c.on_new_request(second)
+    allocate(c, second, 2)
+    assert [(load[0], load[5]) for load in step(c).loads] == [("1_cmpl-f", 2)]
+    finish(c, second)
+    assert c._groups == {}
+
+
+def test_a_declared_child_that_leaves_before_any_push_shrinks_the_group(
+    connector: KVGuardConnector,
+) -> None:
+    c = connector
+    kids = [request(f"{i}_cmpl-g", "prefill-g", 3) for i in range(3)]
+    c.on_new_request(kids[0])
+    c.on_new_request(kids[1])
+    kids[0].status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(kids[0], []) == (False, None)
+    c.on_new_request(kids[2])  # arrives after: the declared 3 less the one gone
+    allocate(c, kids[1], 5)
+    meta = step(c)
+    assert meta.forgets == []
+    assert [(load[0], load[5]) for load in meta.loads] == [("1_cmpl-g", 2)]
+    allocate(c, kids[2], 6)
+    assert [(load[0], load[5]) for load in step(c).loads] == [("2_cmpl-g", 2)]
+    for kid in kids[1:]:
+        finish(c, kid)
+    assert c._groups == {}
+
+
+@pytest.mark.usefixtures("all_levels")
+@pytest.mark.parametrize("loads", [0, -1, 1025, 2.0, "2", True, None])
+def test_a_bad_declared_size_is_ignored_by_name_and_the_load_goes_on(
+    connector: KVGuardConnector, loads: object
+) -> None:
+    c = connector
+    req = request("cmpl-h", "prefill-h")
+    req.kv_transfer_params["kvguard_loads"] = loads
+    with capture_logs() as logs:
+        c.on_new_request(req)
+        allocate(c, req, 9)
+    assert [(load[0], load[5]) for load in step(c).loads] == [("cmpl-h", 1)]
+    finish(c, req)
+    assert c._groups == {}
+    assert logs == [
+        {
+            "event": "kv_loads_ignored",
+            "value": repr(loads),
+            "want": "int in [1, 1024]",
+            "log_level": "warning",
+        }
+    ]

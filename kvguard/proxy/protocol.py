@@ -12,8 +12,15 @@ the reverse:
 * decode: the client's body unchanged but for ``kv_transfer_params``, which
   are exactly the prefill reply's.
 
-One addition: the client's ``kvguard_*`` keys of ``kv_transfer_params``
-(``kvguard_deadline_s``) reach the prefill, which echoes what it applied.
+Two additions, both about kvguard's own keys or n > 1:
+
+* the client's ``kvguard_*`` keys of ``kv_transfer_params``
+  (``kvguard_deadline_s``) reach the prefill, which echoes what it applied;
+* a client's ``n`` > 1: the prefill computes the prompt once (``n`` 1: its
+  KV is the same for every choice, and n held copies would pin n times the
+  blocks), and the decode's ``kv_transfer_params`` say ``kvguard_loads`` n,
+  so it knows how many of its requests load that one (vLLM's API server adds
+  the n engine requests one at a time, and the engine may step between).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = [
     "CHAT_COMPLETIONS",
     "CLIENT_KV_PREFIX",
     "COMPLETIONS",
+    "KV_LOADS",
     "PREFILL_DROPPED_FIELDS",
     "PREFILL_KV_TRANSFER_PARAMS",
     "Failure",
@@ -58,6 +66,8 @@ PREFILL_DROPPED_FIELDS: Final = ("stream_options", "min_tokens", "min_completion
 # The client's kv_transfer_params keys that reach the prefill; the rest are
 # the proxy's to set.
 CLIENT_KV_PREFIX: Final = "kvguard_"
+# How many decode requests load one prefill request (kvguard.vllm reads it).
+KV_LOADS: Final = "kvguard_loads"
 
 
 def parse_client_body(data: bytes) -> dict[str, Any]:
@@ -89,6 +99,8 @@ def prefill_request(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
     }
     out["stream"] = False
     out["max_tokens"] = 1
+    if _choices(body) > 1:
+        out["n"] = 1
     # Chat reads max_completion_tokens before max_tokens.
     if path == CHAT_COMPLETIONS or "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
@@ -99,7 +111,17 @@ def decode_request(
     body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The decode leg's body: the client's, with the prefill's ``kv_transfer_params``."""
-    return {**body, "kv_transfer_params": dict(kv_transfer_params)}
+    params = dict(kv_transfer_params)
+    if (n := _choices(body)) > 1:
+        params[KV_LOADS] = n
+    return {**body, "kv_transfer_params": params}
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    """The client's ``n``; 1 where it is absent or not an int (the decode
+    server rejects a bad one, naming it)."""
+    n = body.get("n", 1)
+    return n if type(n) is int else 1
 
 
 class Failure(enum.Enum):

@@ -54,6 +54,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from kvguard.proxy.protocol import KV_LOADS
 from scheduler import RetryPolicy
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
 from transfer.affinity import parse_cpus, threads_on
@@ -86,6 +87,11 @@ P_REQUEST = "kvguard_request_id"
 P_DEADLINE = "kvguard_deadline_s"
 P_HOLD = "kvguard_hold_s"
 P_TP = "kvguard_tp_size"  # the prefill's tensor parallel size
+# decode: how many decode requests load the prefill request (the client's n,
+# which kvguard proxy adds): vLLM may step between adding n > 1 children, so
+# a group cannot be counted by the children seen so far.
+P_LOADS = KV_LOADS
+_MAX_LOADS = 1024
 _RECENT = 4096
 _PROTOCOLS = ("tcp", "rdma")  # what kvguard's backend is built and documented for
 
@@ -162,18 +168,22 @@ class _Settings:
 class _Group:
     """Decode requests that load one prefill request: n > 1 children, repeats.
 
-    vLLM adds every child before its next step but may allocate them steps
-    apart; the prefill holds its blocks until the whole group is settled.
+    vLLM's API server adds the children one message at a time, so the
+    engine may step, allocate and push one before the next arrives; the
+    prefill holds its blocks until the whole group is settled.
     """
 
     waiting: set[str] = field(default_factory=set)  # arrived, not allocated, not finished
     live: set[str] = field(default_factory=set)  # pushed, not finished
     pushed: int = 0  # loads sent (each request pushes at most once)
+    declared: int = 0  # the size the client declared (kvguard_loads); 0: none
+    left: int = 0  # requests that left before any push, the prefill not told
 
     def size(self) -> int:
-        """What a push tells the prefill: those that pushed or still may (the
-        prefill keeps the largest it heard, and counts forgets against it)."""
-        return self.pushed + len(self.waiting)
+        """What a push tells the prefill: those that pushed or still may,
+        arrived or declared (the prefill keeps the largest it heard, and
+        counts forgets against it)."""
+        return max(self.pushed + len(self.waiting), self.declared - self.left)
 
     def idle(self) -> bool:
         return not self.waiting and not self.live
@@ -200,6 +210,17 @@ class KVGuardMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)
     # decode: prefill requests still queued here: keep them held
     renews: list[_Source] = field(default_factory=list)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux;
+    an empty range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 0, -1
+    return low, high
 
 
 def _rank_url(endpoint: str, rank: int) -> str | None:
@@ -310,7 +331,19 @@ class KVGuardConnector(KVConnectorBase_V1):
         due = time.monotonic() + every
         source = self._source(params)
         self._queued[request.request_id] = (source, every, due)
-        self._groups.setdefault(source[:2], _Group()).waiting.add(request.request_id)
+        self._group(source, params).waiting.add(request.request_id)
+
+    def _group(self, source: _Source, params: dict[str, Any]) -> _Group:
+        """The group loading ``source``, its declared size raised to what
+        this request's ``kvguard_loads`` says."""
+        group = self._groups.setdefault(source[:2], _Group())
+        loads = params.get(P_LOADS, 1)
+        if type(loads) is int and 0 < loads <= _MAX_LOADS:
+            group.declared = max(group.declared, loads if loads > 1 else 0)
+        else:  # a hint: ignored, named, the load goes on as an undeclared one
+            want = f"int in [1, {_MAX_LOADS}]"
+            _log.warning("kv_loads_ignored", value=repr(loads)[:64], want=want)
+        return group
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -328,7 +361,7 @@ class KVGuardConnector(KVConnectorBase_V1):
             return
         block_ids = blocks.get_unhashed_block_ids_all_groups()[0]
         deadline = time.monotonic() + self._deadline_s(params)
-        group = self._groups.setdefault((endpoint, remote), _Group())
+        group = self._groups.get(source[:2]) or self._group(source, params)
         size = group.size()  # before this request leaves "waiting"
         group.waiting.discard(request.request_id)
         group.live.add(request.request_id)
@@ -401,6 +434,8 @@ class KVGuardConnector(KVConnectorBase_V1):
         group.waiting.discard(rid)
         if group.pushed or not group.waiting:
             self._meta.forgets.append(source)
+        else:  # the later pushes carry the smaller size
+            group.left += 1
         if group.idle():
             del self._groups[key]
 
@@ -488,6 +523,16 @@ class KVGuardConnector(KVConnectorBase_V1):
                     self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds)
                 )
             port = s.control_port + self.rank.rank  # rank 0's is the one peers are told
+            low, high = ephemeral_ports()
+            if low <= port <= high:
+                # A decode dialling it while nothing listens (a restart) may
+                # connect to itself; the kernel also hands it out as a source.
+                _log.warning(
+                    "control_port_ephemeral",
+                    port=port,
+                    ephemeral=f"{low}-{high}",
+                    rank=self.rank.rank,
+                )
             self.sender = PrefillSender(
                 mover,
                 self.cache,
