@@ -20,7 +20,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,8 @@ if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
 else:
     pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
+
+from vllm_server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -55,12 +56,6 @@ _rng = random.Random(13)
 PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(33, 100))] for _ in range(N)]
 
 _report: dict[str, Any] = {"scenarios": {}, "engines": []}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Engine:
@@ -181,7 +176,7 @@ def producer(name: str, **extra: Any) -> contextlib.AbstractContextManager[Engin
     return engine(
         name,
         "kv_producer",
-        kvguard_control_port=_free_port(),
+        kvguard_control_port=free_port(),
         kvguard_deadline_s=DEADLINE_S,
         # A request no decode asks for is held this long (renewals aside).
         kvguard_hold_s=DEADLINE_S,

@@ -43,9 +43,9 @@ from vllm_server import SERVES_KV, Outcome, Server, ask_all, complete, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
-# Generous on purpose: six worker processes share two cores, and a first
-# wave after the servers start has met multi-second steps (docs/vllm.md,
-# "Known issue"); these tests check where KV goes, not how fast.
+# Generous on purpose: six worker processes share two cores (docs/vllm.md,
+# "Several servers on one small host"); these tests check where KV goes,
+# not how fast.
 DEADLINE_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0
 SETTLE_S = DEADLINE_S + 30.0
@@ -86,7 +86,7 @@ def servers(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Servers]:
     monkeypatch_module.setattr(vllm_server, "START_S", START_S)
     kv = {"kvguard_deadline_s": DEADLINE_S, "kvguard_heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
     s = Servers(
-        p2=Server("tp-prefill-2", prefill_kv(free_port()), args=TP2, env=NOBIND),
+        p2=Server("tp-prefill-2", prefill_kv(free_port(span=2)), args=TP2, env=NOBIND),
         p1=Server("tp-prefill-1", prefill_kv(free_port())),
         d2=Server("tp-decode-2", kv_config("kv_consumer", **kv), args=TP2, env=NOBIND),
         d1=Server("tp-decode-1", kv_config("kv_consumer", **kv)),

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -45,7 +46,7 @@ BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
 START_S = 300.0  # a server's start on a loaded 2-core machine
 # A "still serves" check asks for the longest deadline the servers allow
 # (kvguard_max_deadline_s): it checks that the decode serves, and must ride
-# out stalled steps (docs/vllm.md, "Known issue: steps that stall on a small host").
+# out a slow step (docs/vllm.md, "Several servers on one small host").
 SERVES_KV: dict[str, Any] = {"kvguard_deadline_s": 60.0}
 
 SMALL = [
@@ -77,10 +78,35 @@ TOY_PREFILL_PARAMS: dict[str, Any] = {
 }
 
 
-def free_port() -> int:
+# Ports for servers that listen, below the kernel's ephemeral range
+# (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default): a port
+# the kernel picked (bind to 0) is one it hands out again as a client
+# connection's source port, and the many connections of these tests would
+# take it from a server that restarts on it, or has not bound it yet.
+_PORTS = range(20000, 32000)
+_handed: set[int] = set()
+_port_rng = random.Random()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A port where ``span`` consecutive ports are free (a TP prefill listens on
+    ``kvguard_control_port`` + rank), none handed out before in this process."""
+    for _ in range(1000):
+        port = _port_rng.randrange(_PORTS.start, _PORTS.stop - span)
+        ports = range(port, port + span)
+        if not _handed.intersection(ports) and all(map(_bindable, ports)):
+            _handed.update(ports)
+            return port
+    raise RuntimeError(f"no {span} free consecutive ports in {_PORTS}")
 
 
 def kv_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:
@@ -158,10 +184,16 @@ class Server:
         if self.kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv)]
         env = dict(os.environ, MC_FORCE_TCP="1", VLLM_CPU_KVCACHE_SPACE="1")
+        # Several servers share this host's cores: one OpenMP thread per
+        # worker, placed by the kernel. vLLM's default on 2 cores gives each
+        # worker 2 threads, whose barriers spin-wait on cores other workers
+        # need (docs/vllm.md, "Several servers on one small host").
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
         with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
+            start_at = out.tell()
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -169,7 +201,9 @@ class Server:
         def alive() -> None:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited {self.proc.returncode}:\n{self.start_errors(start_at)}"
+                )
 
         try:
             wait_healthy([self.url], time.monotonic() + START_S, alive)
@@ -180,6 +214,15 @@ class Server:
             ) from None
         return self
 
+    def start_errors(self, start_at: int) -> str:
+        """What a failed start logged: each process's error lines (the root
+        cause, which vLLM's own last words only point to), then the tail."""
+        with self.log.open("rb") as f:
+            f.seek(start_at)
+            lines = f.read().decode(errors="replace").splitlines()
+        errors = [t for t in lines if re.search(r"Error|Exception|Killed|refused|in use", t)]
+        return "\n".join(["--- error lines", *errors[:30], "--- tail", *lines[-30:]])
+
     def restart(self) -> Server:
         self.stop()
         return self.start()
@@ -188,6 +231,21 @@ class Server:
         """``sig`` to every process of the server (APIServer, EngineCore, Worker)."""
         assert self.proc is not None
         os.killpg(self.proc.pid, sig)
+
+    def wait_gone(self, within_s: float) -> None:
+        """After a kill: every process of the group has exited (none holds the
+        listening socket, so a connect is refused)."""
+        assert self.proc is not None
+        until = time.monotonic() + within_s
+        self.proc.wait(within_s)
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() > until:
+                raise TimeoutError(f"{self.name}: processes left {within_s}s after the kill")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is None:
