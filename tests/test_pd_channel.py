@@ -466,6 +466,37 @@ def test_a_load_asked_while_its_link_is_lost_is_not_aborted_when_it_returns(
     assert same(pair, [1, 3], [2, 4])
 
 
+def test_a_lost_link_whose_reconnect_hangs_is_made_again(pair: Pair, all_levels: None) -> None:
+    """After a drop ZeroMQ reconnects by itself, and its new connection can
+    hang before the handshake (accepted, never answered) until ZeroMQ's own
+    30 s handshake limit. A lost link with loads not up
+    ``heartbeat_timeout_s`` after its drop is made again, its pushes sent
+    again, so a load asked meanwhile lands once the path works."""
+    from structlog.testing import capture_logs
+
+    gate = _Gate(pair.sender.endpoint)
+    gate.open = True
+    try:
+        with capture_logs() as logs:
+            pair.sender.hold("r1", [1], time.monotonic() + 30)
+            pair.receiver.expect("d1", gate.endpoint, "r1", [2], time.monotonic() + 30)
+            pair.until(lambda: "d1" in pair.outcomes)
+            gate.cut()  # the session drops; ZeroMQ's reconnect is held by the gate
+            pair.until(lambda: bool(_events(logs, "prefill_link_lost")) and len(gate.held) >= 1)
+            pair.receiver.expect("d2", gate.endpoint, "r2", [4], time.monotonic() + 30)
+            pair.sender.hold("r2", [3], time.monotonic() + 30)
+            gate.open = True  # what is held stays held; a new connection passes
+            pair.until(lambda: "d2" in pair.outcomes)
+            stalled = _events(logs, "prefill_link_stalled")
+            assert stalled and stalled[0]["last_event"] == "connected", stalled
+    finally:
+        gate.close()
+    assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
+    out = pair.outcomes["d2"]
+    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
+    assert same(pair, [1, 3], [2, 4])
+
+
 def test_a_verdict_lost_on_the_way_is_asked_for_again() -> None:
     """The prefill's Result for a given-up load never arrives (sent while the
     decode's connection changed hands: ZeroMQ drops it, EHOSTUNREACH): the

@@ -24,9 +24,9 @@ One ``kvguard-vllm-receiver`` thread owns every socket (one DEALER per
 prefill endpoint, with its monitor); the engine's calls reach it through a
 queue. A link whose prefill refused the connection is closed with whatever
 it still queued (a prefill started later on that port gets none of it), a
-link with no handshake ``heartbeat_timeout_s`` after its connect (accepted,
-never answered) connects again and asks again, and a link idle for
-``IDLE_LINK_S`` is closed.
+link with no handshake ``heartbeat_timeout_s`` after its connect or its drop
+(accepted, never answered) connects again and asks again, waiting twice as
+long each time, and a link idle for ``IDLE_LINK_S`` is closed.
 """
 
 from __future__ import annotations
@@ -159,7 +159,9 @@ class _Link:
     fresh: bool = True
     waits: set[str] = field(default_factory=set)  # local ids awaiting this prefill's verdict
     used: float = 0.0  # time.monotonic() of the last expect
-    born: float = 0.0  # time.monotonic() of the connect: a link not up soon after is stalled
+    # time.monotonic() of the connect or the drop: a link not up long after
+    # either is stalled (ZeroMQ's own reconnects can hang, unanswered, for good)
+    down_since: float = 0.0
     stalls: int = 0  # connects in a row that never came up; each waits twice as long
     last_event: str = "none"  # the monitor's latest word, for a stalled link's log
     probe_at: float = 0.0  # lost: when to probe the prefill's port next
@@ -333,7 +335,7 @@ class DecodeReceiver:
             sock.close()
             raise
         now = time.monotonic()
-        return _Link(sock, monitor, used=now, born=now)
+        return _Link(sock, monitor, used=now, down_since=now)
 
     def _add_link(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
         self._links[endpoint] = link
@@ -450,33 +452,34 @@ class DecodeReceiver:
             # probe finds nothing listening (_expire).
             _log.info("prefill_link_lost", endpoint=endpoint, waits=len(link.waits))
             link.up, link.lost = False, True
-            link.probe_at = time.monotonic()
+            link.probe_at = link.down_since = time.monotonic()
             for rid in link.waits:
                 self._give_up(rid, "peer_lost", what)
 
     def _reconnect(self, poller: zmq.Poller, endpoint: str, link: _Link, now: float) -> None:
-        """A link that never came up: connect again, asking again for its
-        pushes, and for the verdicts of its loads given up meanwhile. The old
-        socket's handshake may happen unseen as it closes, so the new link is
-        not ``fresh``: only the prefill's answer or a refusal frees a block."""
+        """A link with no handshake long after its connect or its drop:
+        connect again, asking again for its pushes, and for the verdicts of
+        its loads given up meanwhile. The old socket's handshake may happen
+        unseen as it closes, so the new link is not ``fresh``: only the
+        prefill's answer or a refusal frees a block."""
         self._monitor(poller, endpoint, link)  # what it said up to now
-        if self._links.get(endpoint) is not link or link.up or link.lost:
+        if self._links.get(endpoint) is not link or not self._stalled(link, now):
             return  # it came up, dropped or was closed meanwhile
         _log.warning(
             "prefill_link_stalled",
             endpoint=endpoint,
             waits=len(link.waits),
-            after_s=round(now - link.born, 3),
+            after_s=round(now - link.down_since, 3),
             last_event=link.last_event,
         )
         try:
             new = self._open(endpoint)  # before the old one closes: it keeps the waits
         except zmq.ZMQError as exc:
             _log.warning("prefill_link_reopen_failed", endpoint=endpoint, error=str(exc))
-            link.born, link.stalls = now, link.stalls + 1
+            link.down_since, link.stalls = now, link.stalls + 1
             return
         new.waits, new.used, new.fresh = link.waits, link.used, False
-        new.stalls = link.stalls + 1
+        new.lost, new.probe_at, new.stalls = link.lost, link.probe_at, link.stalls + 1
         self._drop_link(poller, endpoint)
         self._add_link(poller, endpoint, new)
         for rid in new.waits:
@@ -489,10 +492,10 @@ class DecodeReceiver:
     def _stalled(self, link: _Link, now: float) -> bool:
         """No handshake long after the connect (backing off: a peer that
         accepts and never answers is not dialled every few seconds for good)."""
-        if link.up or link.lost or not link.waits:
+        if link.up or not link.waits:
             return False
         backoff = 1 << min(link.stalls, _MAX_BACKOFF_DOUBLINGS)
-        return now - link.born > self._stall_s * backoff
+        return now - link.down_since > self._stall_s * backoff
 
     def _drop_all(self, poller: zmq.Poller, endpoint: str, link: _Link, what: str) -> None:
         for rid in list(link.waits):
