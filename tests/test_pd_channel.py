@@ -257,6 +257,85 @@ def test_a_probe_connected_to_itself_counts_as_nothing_listening(
     assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
 
 
+def test_equal_addresses_with_no_echo_do_not_prove_a_prefill_gone(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe's socket whose two ends read the same (a NAT hairpin to a live
+    listener can look so) proves nothing unless what it sends comes back: a
+    frozen prefill's kernel accepts and sends nothing. The fenced load
+    stays fenced until a real refusal."""
+    import socket
+
+    class Hairpin:
+        def __enter__(self) -> Hairpin:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", 40000)
+
+        getpeername = getsockname
+
+        def sendall(self, data: bytes) -> None:
+            pass
+
+        def recv(self, n: int) -> bytes:
+            raise TimeoutError("timed out")
+
+    real = socket.create_connection
+    pair.receiver.expect("d0", pair.sender.endpoint, "x", [1], time.monotonic() + 30)
+    time.sleep(0.2)  # connected, the push waiting at the sender for its hold
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: Hairpin())
+    pair.sender.close(timeout=2.0)
+    pair.until(lambda: "d0" in pair.outcomes)
+    assert pair.outcomes["d0"].fenced
+    time.sleep(1.2)  # two probes or more, each fooled
+    pair.poll()
+    assert pair.unfenced == []
+    monkeypatch.setattr(socket, "create_connection", real)
+    pair.until(lambda: pair.unfenced == ["d0"])  # a real probe is refused
+
+
+def test_one_lost_prefill_is_probed_a_turn(
+    pair: Pair, all_levels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe of an unreachable host blocks the receiver's thread for up
+    to its timeout; with many such prefills lost at once (a partitioned
+    host's ranks), probing them all in one turn would hold every other
+    load's deadline and verdict. At most one is probed each turn."""
+    import socket
+
+    from structlog.testing import capture_logs
+
+    gates = [_Gate(pair.sender.endpoint) for _ in range(3)]
+    turns: list[int] = []
+
+    def unreachable(address: tuple[str, int], timeout: float) -> socket.socket:
+        turns.append(pair.receiver.steps)
+        time.sleep(0.05)
+        raise TimeoutError("timed out")
+
+    try:
+        with capture_logs() as logs:
+            for k, gate in enumerate(gates):
+                gate.open = True
+                pair.receiver.expect(f"d{k}", gate.endpoint, f"r{k}", [k], time.monotonic() + 30)
+            pair.until(lambda: len(_events(logs, "prefill_link_up")) == 3)
+            monkeypatch.setattr(socket, "create_connection", unreachable)
+            for gate in gates:
+                gate.cut()
+            pair.until(lambda: len(pair.outcomes) == 3)
+            pair.until(lambda: len(turns) >= 9)
+        assert len(set(turns)) == len(turns), turns  # never two in one turn
+        assert all(pair.outcomes[f"d{k}"].fenced for k in range(3)), pair.outcomes
+    finally:
+        monkeypatch.undo()
+        for gate in gates:
+            gate.close()
+
+
 class _Gate:
     """A TCP relay to ``target``. Shut, it holds the connections it accepts
     (accepted, never answered: no ZeroMQ handshake, no refusal); open, it
@@ -395,6 +474,40 @@ def test_a_remade_link_dropped_before_its_handshake_keeps_its_load_fenced(
             assert [e["was_lost"] for e in _events(logs, "prefill_link_up")] == [True]
     finally:
         gate.close()
+
+
+def test_a_remade_link_that_cannot_even_dial_keeps_its_load_fenced(
+    pair: Pair, all_levels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZeroMQ says "connect retried" for a refusal but also for a host name
+    that does not resolve (or a socket() that failed), with no connection
+    ever made. On a re-made link, whose predecessor may have delivered the
+    push, that is no proof the prefill is gone: the load is fenced."""
+    from structlog.testing import capture_logs
+
+    receiver = pair.receiver
+    real_open = receiver._open
+    opened: list[str] = []
+
+    def unresolvable_second(endpoint: str) -> Any:
+        opened.append(endpoint)
+        return real_open(endpoint if len(opened) == 1 else "tcp://kvguard-test.invalid:9")
+
+    monkeypatch.setattr(receiver, "_open", unresolvable_second)
+    gate = _Gate(pair.sender.endpoint)
+    try:
+        with capture_logs() as logs:
+            receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
+            pair.until(lambda: "d1" in pair.outcomes)
+            assert len(opened) == 2 and _events(logs, "prefill_link_stalled")
+        out = pair.outcomes["d1"]
+        assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
+        time.sleep(1.0)  # probes of the endpoint find the gate listening
+        pair.poll()
+        assert pair.unfenced == []
+    finally:
+        gate.close()
+    pair.until(lambda: pair.unfenced == ["d1"])  # nothing listens now: refused
 
 
 def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
@@ -784,6 +897,22 @@ def test_a_refused_load_pushed_again_starts_nothing(pair: Pair) -> None:
         sock.close()
 
 
+def test_a_queued_copy_of_a_refused_push_starts_nothing(pair: Pair) -> None:
+    """Two copies of one push (the decode re-sent it on a new connection):
+    one refused, the other queued by ``hold()`` meanwhile. The queued copy
+    must start nothing when its turn comes."""
+    pair.sender.hold("r1", [1], time.monotonic() + 5)
+    sock = raw_decode(pair)
+    try:
+        sock.send(encode(push_of(pair, "r1", "d1", compat="float16/x")))
+        assert answer(sock).reason == "PeerProtocolError"
+        pair.sender._start("r1", b"decode", push_of(pair, "r1", "d1"))
+        assert (pair.sender.stats.pushed, pair.sender.stats.refused) == (0, 1)
+        assert not sock.poll(300)
+    finally:
+        sock.close()
+
+
 def test_a_push_failing_validation_is_answered_when_its_ids_parse(pair: Pair) -> None:
     sock = raw_decode(pair)
     try:
@@ -903,14 +1032,44 @@ def test_a_frozen_prefill_is_not_taken_for_dead_and_its_late_answer_lands(pair: 
         fake.wait(10)
 
 
-def test_a_bad_endpoint_fails_the_load_at_once_naming_it(pair: Pair) -> None:
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://nowhere:notaport",
+        # ZeroMQ would take these, but such a link never reports a drop or a
+        # refusal, so a load given up on it would stay fenced for good.
+        "inproc://kvguard-prefill",
+        "ipc:///tmp/kvguard-prefill",
+        "tcp://ipc://x",
+    ],
+)
+def test_a_bad_endpoint_fails_the_load_at_once_naming_it(pair: Pair, endpoint: str) -> None:
     """The endpoint comes from a request's parameters: untrusted. Nothing is
     sent, so nothing is fenced, and the receiver keeps serving."""
-    pair.receiver.expect("bad", "tcp://nowhere:notaport", "r1", [1], time.monotonic() + 30)
+    pair.receiver.expect("bad", endpoint, "r1", [1], time.monotonic() + 30)
     pair.until(lambda: "bad" in pair.outcomes)
     out = pair.outcomes["bad"]
     assert (out.ok, out.reason, out.fenced) == (False, "bad_endpoint", False), out
-    assert "nowhere:notaport" in out.detail
+    assert repr(endpoint) in out.detail and pair.receiver.links() == 0
+    test_push_lands_and_both_sides_report_once(pair)  # still serving
+
+
+@pytest.mark.parametrize(
+    ("remote", "detail"),
+    [("", "Expected `str` of length >= 1"), ("r" * 513, "Expected `str` of length <= 512")],
+)
+def test_a_request_id_the_prefill_would_refuse_fails_at_once_unfenced(
+    pair: Pair, remote: str, detail: str
+) -> None:
+    """A prefill request id from the client's parameters that the protocol
+    bounds refuse: the prefill could not parse the push, nor answer it or an
+    Abort, so the load would wait out its deadline and stay fenced. It is
+    refused here, before anything is sent or any link made."""
+    pair.receiver.expect("bad", pair.sender.endpoint, remote, [1], time.monotonic() + 30)
+    pair.until(lambda: "bad" in pair.outcomes)
+    out = pair.outcomes["bad"]
+    assert (out.ok, out.reason, out.fenced) == (False, "bad_request", False), out
+    assert detail in out.detail and pair.receiver.links() == 0
     test_push_lands_and_both_sides_report_once(pair)  # still serving
 
 

@@ -112,10 +112,33 @@ def _ours(body: bytes) -> bool:
     return True
 
 
+def _echoes(sock: socket.socket) -> bool:
+    """Does what ``sock`` sends come back to it? Only on a socket connected
+    to itself: equal addresses alone can also be a NAT hairpin to a live
+    (perhaps frozen) listener, which sends nothing back."""
+    nonce = uuid.uuid4().bytes
+    try:
+        sock.sendall(nonce)
+        got = b""
+        while len(got) < len(nonce):
+            part = sock.recv(len(nonce) - len(got))
+            if not part:
+                return False
+            got += part
+    except OSError:  # a timeout included: nothing came back
+        return False
+    return got == nonce
+
+
 def prefill_url(endpoint: str) -> str:
     """A prefill's control endpoint from a request's parameters (untrusted):
-    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else."""
-    return endpoint_of(endpoint.removeprefix("tcp://"))
+    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else
+    (an ``inproc://`` or ``ipc://`` link would never report a drop, so its
+    loads could stay fenced for good)."""
+    rest = endpoint.removeprefix("tcp://")
+    if "://" in rest:
+        raise ValueError(f"expected tcp://HOST:PORT or HOST:PORT, got {endpoint!r}")
+    return endpoint_of(rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,27 +384,39 @@ class DecodeReceiver:
                 # The engine reused an id still loading: one outcome per id, the first's.
                 _log.error("expect_duplicate", request=rid, remote=remote_id)
                 return
-            try:
-                url = prefill_url(endpoint)
-                link = self._link(poller, url)
-            except (ValueError, zmq.ZMQError) as exc:  # nothing was sent
-                self._report(LoadOutcome(rid, False, "bad_endpoint", f"{endpoint!r}: {exc}", 0.0))
-                return
             left = deadline - now - self._margin_s
             if left <= 0:
                 self._report(
                     LoadOutcome(rid, False, "timeout", "deadline passed before asking", 0.0)
                 )
                 return
-            expires = time.time() + left
             first, count = self._heads
             push = Push(
-                remote_id, rid, blocks, self._peer, expires, self._compat, group, first, count
+                remote_id,
+                rid,
+                blocks,
+                self._peer,
+                time.time() + left,
+                self._compat,
+                group,
+                first,
+                count,
             )
-            self._waits[rid] = _Wait(url, remote_id, deadline, now, encode(push))
+            body = encode(push)
+            try:
+                decode_from_decode(body)  # the prefill's own checks (ids, bounds)
+                url = prefill_url(endpoint)
+                link = self._link(poller, url)
+            except PeerProtocolError as exc:  # nothing was sent
+                self._report(LoadOutcome(rid, False, "bad_request", str(exc)[:1024], 0.0))
+                return
+            except (ValueError, zmq.ZMQError) as exc:
+                self._report(LoadOutcome(rid, False, "bad_endpoint", f"{endpoint!r}: {exc}", 0.0))
+                return
+            self._waits[rid] = _Wait(url, remote_id, deadline, now, body)
             link.used = now
             link.waits.add(rid)
-            self._send(link, self._waits[rid].push)
+            self._send(link, body)
         elif kind == "cancel":
             (rid,) = args
             assert isinstance(rid, str)
@@ -440,10 +475,12 @@ class DecodeReceiver:
                 continue  # a lost link waits for its handshake or a probe (_expire)
             if link.up and ev != zmq.EVENT_DISCONNECTED:
                 continue  # only a drop ends an up link's session
-            if not link.up and (link.fresh or ev == zmq.EVENT_CONNECT_RETRIED):
-                # Never connected, or refused: nothing we sent was delivered
-                # (messages flow only after a handshake), and closing the link
-                # drops what it queued, so no prefill started later gets it.
+            if not link.up and link.fresh:
+                # Never connected: nothing we sent was delivered (messages
+                # flow only after a handshake), and closing the link drops
+                # what it queued, so no prefill started later gets it. (Not
+                # on a replaced link, whatever the event: a failed DNS look-up
+                # or socket() reads as "retried" too, and is no refusal.)
                 self._drop_all(poller, endpoint, link, what)
                 return
             # Dropped: killed, or silent (frozen, partitioned), or a replaced
@@ -535,7 +572,7 @@ class DecodeReceiver:
             return
         try:
             with socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S) as s:
-                if s.getsockname() != s.getpeername():
+                if s.getsockname() != s.getpeername() or not _echoes(s):
                     return  # something listens: perhaps the frozen prefill
         except ConnectionRefusedError:
             pass
@@ -557,9 +594,11 @@ class DecodeReceiver:
                 link = self._links.get(wait.endpoint)
                 if link is not None and link.up:
                     self._abort(poller, rid, wait)
+        probed = False  # one probe a turn: an unreachable host's takes _PROBE_TIMEOUT_S
         for endpoint, link in list(self._links.items()):
-            if link.lost and link.waits and link.probe_at <= now:
+            if link.lost and link.waits and link.probe_at <= now and not probed:
                 self._probe(poller, endpoint, link, now)
+                probed = True
             elif self._stalled(link, now):
                 self._reconnect(poller, endpoint, link, now)
             elif not link.waits and now - link.used > IDLE_LINK_S:

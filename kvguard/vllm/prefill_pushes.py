@@ -110,6 +110,12 @@ class _Held:
     forgotten: int = 0  # decode requests of the group that will never push
     group: int = 1  # the decode's group size: the largest a push said
 
+    def knows(self, load_id: str) -> bool:
+        """Was ``load_id`` pushed here before (in flight, answered, refused)?
+        A second push of it starts nothing: its decode may already have
+        heard the first one's answer and handed the blocks back to vLLM."""
+        return load_id in self.loads or load_id in self.answered or load_id in self.refused
+
     def settled(self) -> bool:
         return not self.loads and len(self.answered) + self.forgotten >= self.group
 
@@ -315,7 +321,7 @@ class PrefillSender:
         elif held is None:
             what = f"request {ended}" if ended else "too many unknown requests"
             self._answer(ident, msg, "unknown_request", what)
-        elif any(msg.load_id in ids for ids in (held.loads, held.answered, held.refused)):
+        elif held.knows(msg.load_id):
             _log.warning("push_duplicate", request=rid, load=msg.load_id)
         else:
             self._start(rid, ident, msg)
@@ -345,8 +351,8 @@ class PrefillSender:
         transfer = f"kvguard-push-{next(self._ids)}"
         with self._lock:
             held = self._held.get(rid)
-            if held is None or push.load_id in held.loads or key in self._aborted:
-                return
+            if held is None or held.knows(push.load_id) or key in self._aborted:
+                return  # a copy of it started first (the early one, or the re-sent)
             held.loads[push.load_id] = _Load(ident, transfer)
             held.group = max(held.group, push.group)
             left = held.deadline - time.monotonic()
