@@ -493,13 +493,14 @@ def ask_all(
     prompts: Sequence[Sequence[int]],
     max_tokens: int | Sequence[int],
     timeout_s: float = 60.0,
+    proxy_args: Sequence[str] = (),
     **extra: Any,
 ) -> list[Outcome]:
     """``prompts`` at once through a ``kvguard proxy`` started for ``prefill``
-    and ``decode`` (stopped after); each outcome, in order. ``max_tokens``:
-    one for all, or one per prompt."""
+    and ``decode`` (stopped after, ``proxy_args`` added to its command);
+    each outcome, in order. ``max_tokens``: one for all, or one per prompt."""
     tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-    proxy = Proxy([prefill.url], [decode.url]).start()
+    proxy = Proxy([prefill.url], [decode.url], args=proxy_args).start()
 
     async def go() -> list[Outcome]:
         async with aiohttp.ClientSession() as http:
