@@ -540,7 +540,11 @@ def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
             assert [(e["endpoint"], e["log_level"]) for e in failed] == [(gate.endpoint, "warning")]
             assert len(opened) == 4 and receiver.links() == 1  # the expect, then a stall each
             assert "d1" not in pair.outcomes  # stalled is not failed
-            gate.release()  # the held connection drops: fenced until the prefill answers
+            # The held connection drops (the gate holds the last made link's
+            # once it dialled; a release before would relay it): fenced
+            # until the prefill answers.
+            pair.until(lambda: len(gate.held) >= 3)
+            gate.release()
             pair.until(lambda: pair.unfenced == ["d1"])
     finally:
         gate.close()

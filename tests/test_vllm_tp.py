@@ -80,8 +80,14 @@ class Servers:
 
 
 def prefill_kv(port: int, **extra: object) -> dict[str, object]:
+    # A held prefill outlives a decode engine that did not step for 27 s in
+    # CI (its renewals stopped with it), within kvguard_max_hold_s (300 s).
     return kv_config(
-        "kv_producer", kvguard_control_port=port, kvguard_deadline_s=DEADLINE_S, **extra
+        "kv_producer",
+        kvguard_control_port=port,
+        kvguard_deadline_s=DEADLINE_S,
+        kvguard_hold_s=4 * DEADLINE_S,
+        **extra,
     )
 
 
