@@ -103,6 +103,18 @@ _EVENT_WORDS: Final[dict[int, str]] = {
 }
 
 
+def _close(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    """Close a socket and its monitor, the monitor stopped first. libzmq's
+    I/O thread sends monitor events blocking: one of the closing socket's
+    own (its connection torn down) sent to a monitor already closed blocks
+    that thread for good, and with it every socket of the context (seen:
+    a link made after such a close never even dialled)."""
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    sock.close()
+    monitor.close()
+
+
 def _ours(body: bytes) -> bool:
     """Is ``body`` a message a decode sends (a frame we sent, come back)?"""
     try:
@@ -229,6 +241,7 @@ class DecodeReceiver:
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
         self._identity = f"kvguard-decode-{uuid.uuid4().hex}".encode()
+        self._monitors = 0  # monitor endpoints made (receiver thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvguard-vllm-receiver", daemon=True)
         self._thread.start()
@@ -301,8 +314,7 @@ class DecodeReceiver:
                     _log.exception("receiver_loop_error")
         finally:
             for link in self._links.values():
-                link.sock.close()
-                link.monitor.close()
+                _close(link.sock, link.monitor)
             self._ctx.term()
 
     def _step(self, poller: zmq.Poller) -> None:
@@ -347,15 +359,20 @@ class DecodeReceiver:
             # One identity across reconnects: the prefill's ROUTER hands the
             # new connection over and its late Results reach us.
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
-            monitor = sock.get_monitor_socket(_EVENTS)
+            # A name of its own: pyzmq's default derives it from the socket's
+            # fd, which a socket opened as another closes reuses, and the new
+            # monitor then attaches to the old one's endpoint and hears
+            # nothing (a link "never came up", with no event at all).
+            self._monitors += 1
+            addr = f"inproc://kvguard-monitor-{self._identity.decode()}-{self._monitors}"
+            monitor = sock.get_monitor_socket(_EVENTS, addr=addr)
         except zmq.ZMQError:
             sock.close()
             raise
         try:
             sock.connect(endpoint)
         except zmq.ZMQError:
-            monitor.close()
-            sock.close()
+            _close(sock, monitor)
             raise
         now = time.monotonic()
         return _Link(sock, monitor, used=now, down_since=now)
@@ -369,9 +386,9 @@ class DecodeReceiver:
         """Close a link with whatever it still queued (LINGER 0)."""
         link = self._links.pop(endpoint)
         _log.info("prefill_link_closed", endpoint=endpoint, up=link.up, lost=link.lost)
-        for sock in (link.sock, link.monitor):
-            poller.unregister(sock)
-            sock.close()
+        poller.unregister(link.sock)
+        poller.unregister(link.monitor)
+        _close(link.sock, link.monitor)
 
     def _command(self, poller: zmq.Poller, kind: str, args: tuple[object, ...]) -> None:
         if kind == "expect":
