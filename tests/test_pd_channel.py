@@ -340,8 +340,9 @@ class _Gate:
     """A TCP relay to ``target``. Shut, it holds the connections it accepts
     (accepted, never answered: no ZeroMQ handshake, no refusal); open, it
     relays them. ``release()`` opens it and closes what it held (their
-    ZeroMQ peers connect again, through the relay); ``cut()`` closes every
-    relayed connection, as a network partition ending a session would."""
+    ZeroMQ peers connect again, through the relay); ``drop()`` closes every
+    connection before any handshake; ``cut()`` closes every relayed
+    connection, as a network partition ending a session would."""
 
     def __init__(self, target: str) -> None:
         import socket
@@ -350,6 +351,7 @@ class _Gate:
         host, port = target.removeprefix("tcp://").rsplit(":", 1)
         self._target = (host, int(port))
         self.open = False
+        self.dropping = False  # close what it accepts at once (a drop before any handshake)
         self.held: list[socket.socket] = []
         self.relayed: list[socket.socket] = []
         self._srv = socket.create_server(("127.0.0.1", 0))
@@ -373,6 +375,9 @@ class _Gate:
                 conn, _ = self._srv.accept()
             except OSError:
                 return
+            if self.dropping:
+                self._close([conn])
+                continue
             if not self.open:
                 self.held.append(conn)
                 continue
@@ -392,7 +397,13 @@ class _Gate:
             conn.close()
 
     def release(self) -> None:
-        self.open = True
+        self.open, self.dropping = True, False
+        self._close(self.held)
+
+    def drop(self) -> None:
+        """Close what it holds and, from now on, what it accepts (whenever
+        the kernel's queue hands it over)."""
+        self.dropping = True
         self._close(self.held)
 
     def cut(self) -> None:
@@ -460,8 +471,8 @@ def test_a_remade_link_dropped_before_its_handshake_keeps_its_load_fenced(
     try:
         with capture_logs() as logs:
             pair.receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
-            pair.until(lambda: bool(_events(logs, "prefill_link_stalled")) and len(gate.held) >= 2)
-            gate._close(gate.held)  # the re-made link drops; the gate stays shut
+            pair.until(lambda: bool(_events(logs, "prefill_link_stalled")))
+            gate.drop()  # the re-made link drops before its handshake
             pair.until(lambda: "d1" in pair.outcomes)
             out = pair.outcomes["d1"]
             assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
@@ -540,11 +551,9 @@ def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
             assert [(e["endpoint"], e["log_level"]) for e in failed] == [(gate.endpoint, "warning")]
             assert len(opened) == 4 and receiver.links() == 1  # the expect, then a stall each
             assert "d1" not in pair.outcomes  # stalled is not failed
-            # The held connection drops (the gate holds the last made link's
-            # once it dialled; a release before would relay it): fenced
-            # until the prefill answers.
-            pair.until(lambda: len(gate.held) >= 3)
-            gate.release()
+            gate.drop()  # the link drops before its handshake: fenced
+            pair.until(lambda: "d1" in pair.outcomes)
+            gate.release()  # until the prefill answers
             pair.until(lambda: pair.unfenced == ["d1"])
     finally:
         gate.close()
