@@ -352,6 +352,7 @@ class _Gate:
         self._target = (host, int(port))
         self.open = False
         self.dropping = False  # close what it accepts at once (a drop before any handshake)
+        self._lock = threading.Lock()
         self.held: list[socket.socket] = []
         self.relayed: list[socket.socket] = []
         self._srv = socket.create_server(("127.0.0.1", 0))
@@ -375,14 +376,16 @@ class _Gate:
                 conn, _ = self._srv.accept()
             except OSError:
                 return
-            if self.dropping:
-                self._close([conn])
-                continue
-            if not self.open:
-                self.held.append(conn)
-                continue
+            with self._lock:  # a mode change and its closing of held happen as one
+                if self.dropping:
+                    self._close([conn])
+                    continue
+                if not self.open:
+                    self.held.append(conn)
+                    continue
             up = socket.create_connection(self._target)
-            self.relayed += [conn, up]
+            with self._lock:
+                self.relayed += [conn, up]
             threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
             threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
 
@@ -397,18 +400,21 @@ class _Gate:
             conn.close()
 
     def release(self) -> None:
-        self.open, self.dropping = True, False
-        self._close(self.held)
+        with self._lock:
+            self.open, self.dropping = True, False
+            self._close(self.held)
 
     def drop(self) -> None:
         """Close what it holds and, from now on, what it accepts (whenever
         the kernel's queue hands it over)."""
-        self.dropping = True
-        self._close(self.held)
+        with self._lock:
+            self.dropping = True
+            self._close(self.held)
 
     def cut(self) -> None:
-        self.open = False
-        self._close(self.relayed)
+        with self._lock:
+            self.open = False
+            self._close(self.relayed)
 
     def close(self) -> None:
         self._srv.close()
