@@ -48,8 +48,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 # small host"), and this module starts and stops the most memory of any:
 # on the project's VM, memory churn froze every process for 5-30 s at a
 # time (a 0.1 s sleeper woke 29 s late), far past a 10 s heartbeat.
-DEADLINE_S = 60.0  # the most kvguard_max_deadline_s allows by default
-HEARTBEAT_TIMEOUT_S = 30.0
+# In CI a TP 1 prefill then answered nothing for 38 s while the VM itself
+# ran (its pages, idle for minutes, faulting back in), past a 30 s heartbeat.
+DEADLINE_S = 120.0  # with kvguard_max_deadline_s raised to match
+HEARTBEAT_TIMEOUT_S = 60.0
+HOLD_S = 240.0  # within kvguard_max_hold_s (300 s)
 SETTLE_S = DEADLINE_S + 60.0
 # The proxy's prefill leg outlives a freeze as the loads do.
 PROXY_ARGS = ["--prefill-timeout-s", str(2 * DEADLINE_S)]
@@ -86,7 +89,8 @@ def prefill_kv(port: int, **extra: object) -> dict[str, object]:
         "kv_producer",
         kvguard_control_port=port,
         kvguard_deadline_s=DEADLINE_S,
-        kvguard_hold_s=4 * DEADLINE_S,
+        kvguard_max_deadline_s=DEADLINE_S,
+        kvguard_hold_s=HOLD_S,
         **extra,
     )
 
@@ -94,7 +98,11 @@ def prefill_kv(port: int, **extra: object) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def servers(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Servers]:
     monkeypatch_module.setattr(vllm_server, "START_S", START_S)
-    kv = {"kvguard_deadline_s": DEADLINE_S, "kvguard_heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
+    kv = {
+        "kvguard_deadline_s": DEADLINE_S,
+        "kvguard_max_deadline_s": DEADLINE_S,
+        "kvguard_heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    }
     s = Servers(
         p2=Server("tp-prefill-2", prefill_kv(free_port(span=2)), args=TP2, env=NOBIND),
         p1=Server("tp-prefill-1", prefill_kv(free_port())),
