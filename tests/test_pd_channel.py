@@ -567,6 +567,24 @@ def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
     assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
 
 
+def _load_then_cut(pair: Pair, gate: _Gate) -> None:
+    """Load d1 (r1: block 1 -> 2) through ``gate``, open; then cut the
+    session and shut the gate."""
+    gate.open = True
+    pair.sender.hold("r1", [1], time.monotonic() + 30)
+    pair.receiver.expect("d1", gate.endpoint, "r1", [2], time.monotonic() + 30)
+    pair.until(lambda: "d1" in pair.outcomes)
+    gate.cut()
+
+
+def _assert_both_landed(pair: Pair) -> None:
+    """d1 (r1: 1 -> 2) and d2 (r2: 3 -> 4) loaded, bytes equal."""
+    assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
+    out = pair.outcomes["d2"]
+    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
+    assert same(pair, [1, 3], [2, 4])
+
+
 def test_a_load_asked_while_its_link_is_lost_is_not_aborted_when_it_returns(
     pair: Pair, all_levels: None
 ) -> None:
@@ -576,13 +594,9 @@ def test_a_load_asked_while_its_link_is_lost_is_not_aborted_when_it_returns(
     from structlog.testing import capture_logs
 
     gate = _Gate(pair.sender.endpoint)
-    gate.open = True
     try:
         with capture_logs() as logs:
-            pair.sender.hold("r1", [1], time.monotonic() + 30)
-            pair.receiver.expect("d1", gate.endpoint, "r1", [2], time.monotonic() + 30)
-            pair.until(lambda: "d1" in pair.outcomes)
-            gate.cut()
+            _load_then_cut(pair, gate)
             pair.until(lambda: bool(_events(logs, "prefill_link_lost")))
             pair.receiver.expect("d2", gate.endpoint, "r2", [4], time.monotonic() + 30)
             gate.release()
@@ -592,10 +606,7 @@ def test_a_load_asked_while_its_link_is_lost_is_not_aborted_when_it_returns(
             pair.until(lambda: "d2" in pair.outcomes)
     finally:
         gate.close()
-    assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
-    out = pair.outcomes["d2"]
-    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
-    assert same(pair, [1, 3], [2, 4])
+    _assert_both_landed(pair)
 
 
 def test_a_lost_link_whose_reconnect_hangs_is_made_again(pair: Pair, all_levels: None) -> None:
@@ -607,13 +618,10 @@ def test_a_lost_link_whose_reconnect_hangs_is_made_again(pair: Pair, all_levels:
     from structlog.testing import capture_logs
 
     gate = _Gate(pair.sender.endpoint)
-    gate.open = True
     try:
         with capture_logs() as logs:
-            pair.sender.hold("r1", [1], time.monotonic() + 30)
-            pair.receiver.expect("d1", gate.endpoint, "r1", [2], time.monotonic() + 30)
-            pair.until(lambda: "d1" in pair.outcomes)
-            gate.cut()  # the session drops; ZeroMQ's reconnect is held by the gate
+            _load_then_cut(pair, gate)
+            # ZeroMQ's reconnect is held by the gate.
             pair.until(lambda: bool(_events(logs, "prefill_link_lost")) and len(gate.held) >= 1)
             pair.receiver.expect("d2", gate.endpoint, "r2", [4], time.monotonic() + 30)
             pair.sender.hold("r2", [3], time.monotonic() + 30)
@@ -623,10 +631,7 @@ def test_a_lost_link_whose_reconnect_hangs_is_made_again(pair: Pair, all_levels:
             assert stalled and stalled[0]["last_event"] == "connected", stalled
     finally:
         gate.close()
-    assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
-    out = pair.outcomes["d2"]
-    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
-    assert same(pair, [1, 3], [2, 4])
+    _assert_both_landed(pair)
 
 
 def test_a_verdict_lost_on_the_way_is_asked_for_again() -> None:

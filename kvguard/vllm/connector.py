@@ -212,7 +212,7 @@ class KVGuardMetadata(KVConnectorMetadata):
     renews: list[_Source] = field(default_factory=list)
 
 
-def ephemeral_ports() -> tuple[int, int]:
+def _ephemeral_ports() -> tuple[int, int]:
     """The kernel's range of source ports for outgoing connections (Linux;
     an empty range elsewhere)."""
     try:
@@ -523,7 +523,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                     self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds)
                 )
             port = s.control_port + self.rank.rank  # rank 0's is the one peers are told
-            low, high = ephemeral_ports()
+            low, high = _ephemeral_ports()
             if low <= port <= high:
                 # A decode dialling it while nothing listens (a restart) may
                 # connect to itself; the kernel also hands it out as a source.

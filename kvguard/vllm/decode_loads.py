@@ -225,8 +225,9 @@ class DecodeReceiver:
         self._heads = heads
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
-        # A link with no handshake this long after its connect is stalled
-        # (on a live network one takes milliseconds; a refusal is an event).
+        # A link with no handshake this long after its connect or its drop is
+        # stalled (on a live network one takes milliseconds; a refusal is an
+        # event); each stall in a row doubles it (_stalled).
         self._stall_s = heartbeat_timeout_s
         self._margin_s = margin_s
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
@@ -360,9 +361,8 @@ class DecodeReceiver:
             # new connection over and its late Results reach us.
             sock.setsockopt(zmq.ROUTING_ID, self._identity)
             # A name of its own: pyzmq's default derives it from the socket's
-            # fd, which a socket opened as another closes reuses, and the new
-            # monitor then attaches to the old one's endpoint and hears
-            # nothing (a link "never came up", with no event at all).
+            # fd, which the kernel reuses once a socket closes, so a new
+            # monitor could name the endpoint of one still being torn down.
             self._monitors += 1
             addr = f"inproc://kvguard-monitor-{self._identity.decode()}-{self._monitors}"
             monitor = sock.get_monitor_socket(_EVENTS, addr=addr)
