@@ -12,6 +12,8 @@ import structlog
 
 from lifecycle import render_markdown
 
+from .vllm.states import TABLES as HANDOFF_TABLES
+
 __all__ = ["main"]
 
 # The repository checkout this package runs from (an editable install).
@@ -28,14 +30,16 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
         return diagram_command(
             args.counts, args.format or "mermaid", args.output, sys.stdout, sys.stderr
         )
-    text = render_markdown()
+    text = render_markdown() + "".join(
+        "\n" + table.render_markdown("kvguard/vllm/states.py") for table in HANDOFF_TABLES
+    )
     path: Path = args.output or DIAGRAM_PATH
     if args.check:
         current = path.read_text() if path.exists() else None
         if current != text:
             print(
-                f"{path} is stale: it differs from the transition table in "
-                "lifecycle/_table.py. Run `kvguard diagram` and commit the result.",
+                f"{path} is stale: it differs from the tables in lifecycle/_table.py "
+                "and kvguard/vllm/states.py. Run `kvguard diagram` and commit the result.",
                 file=sys.stderr,
             )
             return 1

@@ -10,6 +10,7 @@ from ._diagram import render_markdown, render_mermaid
 from ._guard import EXIT_REASONS, CompletionGuard, exit_reason, guarded
 from ._journal import LOGGER_NAME, Journal, TransitionRecord
 from ._lifecycle import DoneCallback, InvalidTransition, Outcome, RequestLifecycle
+from ._machine import Edge, StateTable, TableError
 from ._table import (
     DISPATCH,
     GUARDS,
@@ -35,6 +36,7 @@ __all__ = [
     "TRANSITIONS",
     "CompletionGuard",
     "DoneCallback",
+    "Edge",
     "Event",
     "FailureReason",
     "Guard",
@@ -42,6 +44,8 @@ __all__ = [
     "Journal",
     "Outcome",
     "RequestLifecycle",
+    "StateTable",
+    "TableError",
     "TransferState",
     "Transition",
     "TransitionRecord",

@@ -30,6 +30,7 @@ from kvguard.vllm.protocol import (
     decode_from_prefill,
     encode,
 )
+from kvguard.vllm.states import LoadEnd
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
 from transfer.peer_protocol import peer_message_of
 
@@ -217,11 +218,11 @@ def test_a_link_connected_to_itself_fails_its_loads_at_once_unfenced(
     the socket to itself; ZeroMQ then hands the DEALER its own Push. Forced
     here with ZeroMQ's source-address syntax: nothing listens, so the load
     fails at once, unfenced, instead of waiting out its deadline fenced."""
-    from kvguard.vllm import decode_loads
+    from kvguard.vllm import decode_core
 
     port = _port_nobody_listens_on()
     looped = f"tcp://127.0.0.1:{port};127.0.0.1:{port}"
-    monkeypatch.setattr(decode_loads, "prefill_url", lambda endpoint: looped)
+    monkeypatch.setattr(decode_core, "prefill_url", lambda endpoint: looped)
     pair.receiver.expect("d1", f"127.0.0.1:{port}", "r1", [1], time.monotonic() + 30)
     pair.until(lambda: "d1" in pair.outcomes)  # not the 30 s deadline
     out = pair.outcomes["d1"]
@@ -455,7 +456,7 @@ def test_a_link_that_never_comes_up_connects_again_and_its_push_lands(
     finally:
         gate.close()
     out = pair.outcomes["d1"]
-    assert out == LoadOutcome("d1", True, "", "", out.latency_s), out
+    assert out == LoadOutcome("d1", LoadEnd.LOADED, "", out.latency_s), out
     assert same(pair, [2, 3], [4, 5])
 
 
@@ -581,7 +582,7 @@ def _assert_both_landed(pair: Pair) -> None:
     """d1 (r1: 1 -> 2) and d2 (r2: 3 -> 4) loaded, bytes equal."""
     assert pair.outcomes["d1"].ok, pair.outcomes["d1"]
     out = pair.outcomes["d2"]
-    assert out == LoadOutcome("d2", True, "", "", out.latency_s), out
+    assert out == LoadOutcome("d2", LoadEnd.LOADED, "", out.latency_s), out
     assert same(pair, [1, 3], [2, 4])
 
 
@@ -855,7 +856,7 @@ def push_of(p: Pair, rid: str, load: str, **kw: object) -> Push:
         request_id=rid,
         load_id=load,
         blocks=[2],
-        peer=p.receiver._peer,
+        peer=p.receiver.peer,
         expires_at=time.time() + 5,
         compat="",
     )
@@ -881,9 +882,9 @@ def test_a_push_read_after_its_load_was_given_up_is_refused(pair: Pair) -> None:
 @pytest.mark.parametrize(
     ("kw", "reason", "detail"),
     [
-        ({"expires_at": 1.0}, "TimeoutError", "the hold or the push deadline has passed"),
-        ({"compat": "float16/x"}, "PeerProtocolError", "KV layouts differ: decode 'float16/x'"),
-        ({"blocks": [2, 3, 4]}, "PeerProtocolError", "decode asks for 3 blocks"),
+        ({"expires_at": 1.0}, "timeout", "the hold or the push deadline has passed"),
+        ({"compat": "float16/x"}, "incompatible", "KV layouts differ: decode 'float16/x'"),
+        ({"blocks": [2, 3, 4]}, "bad_request", "decode asks for 3 blocks"),
     ],
 )
 def test_a_push_that_cannot_start_is_answered_at_once_and_touches_nothing(
@@ -910,7 +911,7 @@ def test_a_refused_load_pushed_again_starts_nothing(pair: Pair) -> None:
     sock = raw_decode(pair)
     try:
         sock.send(encode(push_of(pair, "r1", "d1", compat="float16/x")))
-        assert answer(sock).reason == "PeerProtocolError"
+        assert answer(sock).reason == "incompatible"
         sock.send(encode(push_of(pair, "r1", "d1")))  # valid now, same load
         assert not sock.poll(300)
         assert (pair.sender.stats.pushed, pair.sender.stats.refused) == (0, 1)
@@ -921,18 +922,19 @@ def test_a_refused_load_pushed_again_starts_nothing(pair: Pair) -> None:
         sock.close()
 
 
-def test_a_queued_copy_of_a_refused_push_starts_nothing(pair: Pair) -> None:
-    """Two copies of one push (the decode re-sent it on a new connection):
-    one refused, the other queued by ``hold()`` meanwhile. The queued copy
-    must start nothing when its turn comes."""
-    pair.sender.hold("r1", [1], time.monotonic() + 5)
+def test_copies_of_a_push_read_before_its_hold_start_one_transfer(pair: Pair) -> None:
+    """Two copies of one push (the decode re-sent it on a new connection)
+    read before the engine's hold: the hold starts one transfer, answered
+    once; the copy starts nothing."""
     sock = raw_decode(pair)
     try:
-        sock.send(encode(push_of(pair, "r1", "d1", compat="float16/x")))
-        assert answer(sock).reason == "PeerProtocolError"
-        pair.sender._start("r1", b"decode", push_of(pair, "r1", "d1"))
-        assert (pair.sender.stats.pushed, pair.sender.stats.refused) == (0, 1)
+        sock.send(encode(push_of(pair, "r1", "d1")))
+        sock.send(encode(push_of(pair, "r1", "d1")))
+        assert not sock.poll(100)  # both wait for the hold
+        pair.sender.hold("r1", [1], time.monotonic() + 5)
+        assert answer(sock) == Result("r1", "d1", True, "", "")
         assert not sock.poll(300)
+        assert (pair.sender.stats.pushed, pair.sender.stats.done) == (1, 1)
     finally:
         sock.close()
 
@@ -986,10 +988,10 @@ def test_decodes_and_prefills_that_churn_away_are_forgotten(
 ) -> None:
     """Every decode restart is a new Mooncake session and every prefill a
     new endpoint: idle ones are forgotten on both sides, and learnt again."""
-    from kvguard.vllm import decode_loads, prefill_pushes
+    from kvguard.vllm import decode_core, prefill_core
 
-    monkeypatch.setattr(prefill_pushes, "IDLE_PEER_S", 0.3)
-    monkeypatch.setattr(decode_loads, "IDLE_LINK_S", 0.3)
+    monkeypatch.setattr(prefill_core, "IDLE_PEER_S", 0.3)
+    monkeypatch.setattr(decode_core, "IDLE_LINK_S", 0.3)
     test_push_lands_and_both_sides_report_once(pair)
     assert pair.sender.peers() == 1 and pair.receiver.links() == 1
     pair.until(lambda: pair.sender.peers() == 0 and pair.receiver.links() == 0)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvguard.vllm.decode_legs import DecodeLegs, Verdict
 from kvguard.vllm.decode_loads import LoadOutcome
 from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint
+from kvguard.vllm.states import LoadEnd
 
 # -- ranks ----------------------------------------------------------------------
 
@@ -104,11 +105,11 @@ def test_rank_endpoints() -> None:
 
 
 def _ok(leg: str, latency: float = 0.1) -> LoadOutcome:
-    return LoadOutcome(leg, True, "", "", latency)
+    return LoadOutcome(leg, LoadEnd.LOADED, "", latency)
 
 
 def _failed(leg: str, fenced: bool = False) -> LoadOutcome:
-    return LoadOutcome(leg, False, "peer_lost", "gone", 0.2, fenced=fenced)
+    return LoadOutcome(leg, LoadEnd.PEER_LOST, "gone", 0.2, fenced=fenced)
 
 
 def test_one_leg_is_the_receivers_outcome_unchanged() -> None:
@@ -126,7 +127,7 @@ def test_loaded_only_when_every_leg_loaded() -> None:
     assert legs_.reported(_ok("r#0.1", 0.3)) is None
     assert legs_.in_use() == {"r": 1}
     v = legs_.reported(_ok("r#0.0", 0.1))
-    assert v is not None and v.final and v.outcome == LoadOutcome("r", True, "", "", 0.3)
+    assert v is not None and v.final and v.outcome == LoadOutcome("r", LoadEnd.LOADED, "", 0.3)
 
 
 def test_a_failed_leg_fails_the_request_once_no_leg_may_write() -> None:
@@ -136,7 +137,7 @@ def test_a_failed_leg_fails_the_request_once_no_leg_may_write() -> None:
     # vLLM hears of it now, as load errors on the blocks: not finished
     assert early is not None and not early.final and early.outcome.reason == "peer_lost"
     assert legs_.reported(_ok("b")) is None  # still fenced: nothing more to say
-    assert legs_.recent_outcomes() == [LoadOutcome("r", False, "peer_lost", "gone", 0.2, True)]
+    assert legs_.recent_outcomes() == [LoadOutcome("r", LoadEnd.PEER_LOST, "gone", 0.2, True)]
     assert legs_.in_use() == {"r": 2}
     assert legs_.released("b") is None  # not a fenced leg
     final = legs_.released("a")
@@ -178,10 +179,10 @@ def test_blocks_and_drop() -> None:
 def test_the_first_failure_names_the_request_and_the_slowest_leg_its_latency() -> None:
     legs_ = DecodeLegs()
     legs_.start("r", [1], ["a", "b", "c"])
-    early = legs_.reported(LoadOutcome("a", False, "timeout", "late", 0.5, fenced=True))
-    assert early == Verdict("r", [1], LoadOutcome("r", False, "timeout", "late", 0.5, True), False)
-    assert legs_.reported(LoadOutcome("b", False, "peer_lost", "gone", 0.9)) is None
+    early = legs_.reported(LoadOutcome("a", LoadEnd.TIMEOUT, "late", 0.5, fenced=True))
+    assert early == Verdict("r", [1], LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.5, True), False)
+    assert legs_.reported(LoadOutcome("b", LoadEnd.PEER_LOST, "gone", 0.9)) is None
     assert legs_.reported(_ok("c", 0.2)) is None
-    assert legs_.recent_outcomes() == [LoadOutcome("r", False, "timeout", "late", 0.9, True)]
+    assert legs_.recent_outcomes() == [LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.9, True)]
     final = legs_.released("a")
-    assert final == Verdict("r", [1], LoadOutcome("r", False, "timeout", "late", 0.9, True), True)
+    assert final == Verdict("r", [1], LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.9, True), True)

@@ -44,6 +44,7 @@ from vllm_server import MODEL, SERVES_KV, Server, complete, free_port, kv_config
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.decode_loads import LoadOutcome
 from kvguard.vllm.prefill_pushes import SenderStats
+from kvguard.vllm.states import LoadEnd
 from kvguard.vllm.stats import (
     GAUGES,
     KVGuardConnectorStats,
@@ -411,9 +412,9 @@ def replace_gauges(s: PrefillSample, *, held: int, q: int, age: float) -> Prefil
 def outcome(
     rid: str, ok: bool, reason: str = "", latency: float = 0.1, fenced: bool = False
 ) -> LoadOutcome:
-    return LoadOutcome(
-        request_id=rid, ok=ok, reason=reason, detail="", latency_s=latency, fenced=fenced
-    )
+    end = LoadEnd.LOADED if ok else LoadEnd(reason)
+    assert end.ok == ok
+    return LoadOutcome(request_id=rid, end=end, detail="", latency_s=latency, fenced=fenced)
 
 
 def test_decode_counts_each_outcome_once_with_its_blocks_bytes() -> None:

@@ -66,6 +66,7 @@ from .decode_legs import DecodeLegs, Verdict
 from .decode_loads import DecodeReceiver, LoadOutcome
 from .prefill_pushes import PrefillSender
 from .ranks import Leg, RankHeads, legs, rank_endpoint
+from .states import LoadEnd
 from .stats import KVGuardConnectorStats, KVGuardPromMetrics, WorkerStats
 
 if TYPE_CHECKING:
@@ -626,7 +627,7 @@ class KVGuardConnector(KVConnectorBase_V1):
         urls = [_rank_url(endpoint, leg.prefill_rank) for leg in plan]
         if None in urls:
             if self._legs.start(rid, blocks, [rid]):
-                self._legs_failed(rid, f"no rank endpoints from {endpoint!r}", "bad_endpoint")
+                self._legs_failed(rid, f"no rank endpoints from {endpoint!r}", LoadEnd.BAD_ENDPOINT)
             return
         single = len(plan) == 1 and plan[0].fan_in == 1
         ids = [rid if single else f"{rid}#{self.rank.rank}.{leg.prefill_rank}" for leg in plan]
@@ -636,10 +637,10 @@ class KVGuardConnector(KVConnectorBase_V1):
             assert url is not None
             receiver.expect(leg_id, url, remote, blocks, deadline, group * leg.fan_in)
 
-    def _legs_failed(self, rid: str, why: str, reason: str = "incompatible") -> None:
+    def _legs_failed(self, rid: str, why: str, end: LoadEnd = LoadEnd.INCOMPATIBLE) -> None:
         """A load that cannot start: failed at once, nothing was asked."""
         logger.error("kvguard: KV load of %s cannot start: %s", rid, why)
-        verdict = self._legs.reported(LoadOutcome(rid, False, reason, why, 0.0))
+        verdict = self._legs.reported(LoadOutcome(rid, end, why, 0.0))
         assert verdict is not None and verdict.final
         self._verdicts.append(verdict)
 

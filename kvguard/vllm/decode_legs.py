@@ -26,7 +26,8 @@ from typing import Final
 
 import structlog
 
-from .decode_loads import LoadOutcome
+from .decode_core import LoadOutcome
+from .states import REQUEST, RequestState
 
 __all__ = ["DecodeLegs", "Verdict"]
 
@@ -46,12 +47,16 @@ class Verdict:
 
 @dataclass(slots=True)
 class _Load:
+    """A request's legs (``states.REQUEST``): FINISHED iff no leg is pending
+    or fenced; INVALID iff a leg failed and its blocks went out as load errors."""
+
+    request_id: str
     blocks: list[int]
     pending: set[str]  # legs not reported yet
     fenced: set[str] = field(default_factory=set)  # reported fenced, not released yet
     outcome: LoadOutcome | None = None  # the first failure, or the last loaded leg's
     latency_s: float = 0.0  # the slowest leg's, so far
-    told_invalid: bool = False  # its blocks went out as load errors
+    state: RequestState = RequestState.LOADING
 
 
 class DecodeLegs:
@@ -68,7 +73,7 @@ class DecodeLegs:
         if request_id in self._loads or not legs:
             _log.error("expect_duplicate", request=request_id, legs=list(legs))
             return False
-        self._loads[request_id] = _Load(list(blocks), set(legs))
+        self._loads[request_id] = _Load(request_id, list(blocks), set(legs))
         for leg in legs:
             self._request[leg] = request_id
         return True
@@ -142,9 +147,10 @@ class DecodeLegs:
         assert outcome is not None  # a leg reported
         merged = replace(outcome, request_id=rid, latency_s=load.latency_s)
         if not load.pending and not load.fenced:
+            REQUEST.move(load, RequestState.FINISHED, rid)
             del self._loads[rid]
             return Verdict(rid, load.blocks, merged, final=True)
-        if not outcome.ok and not load.told_invalid:
-            load.told_invalid = True
+        if not outcome.ok and load.state is RequestState.LOADING:
+            REQUEST.move(load, RequestState.INVALID, rid)
             return Verdict(rid, load.blocks, merged, final=False)
         return None

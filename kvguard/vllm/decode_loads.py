@@ -1,32 +1,18 @@
-"""The decode side: ask a prefill to push, never wait past the deadline,
-and never let a block go back while the prefill may still write it.
+"""The decode side's driver: ZeroMQ sockets, monitors and probes around ``DecodeCore``.
 
 ``DecodeReceiver.expect(...)`` asks the prefill at ``endpoint`` to push its
 request's KV into local blocks (registered with this side's Mooncake
 engine). ``take_finished()`` then reports each expected load exactly once,
-as loaded or as failed, at the first of:
+as loaded or as failed, and ``take_released()`` names a load reported
+fenced once nothing of the prefill can write its blocks. Every decision is
+``decode_core.DecodeCore``'s (its docstring says when each happens).
 
-* the prefill's ``Result`` for this load -- sent only once nothing of the
-  prefill writes its blocks (kvguard released the transfer: terminal AND
-  quiesced, or it never started);
-* proof the prefill is gone: nothing listens on its control port (a plain
-  TCP connect is refused, or connects to itself, which the kernel does only
-  where nothing listens; a killed process's socket closes with it, while a
-  stopped one's port still accepts);
-* its deadline, or the prefill falling silent (its connection drops: a
-  kill, or ZeroMQ heartbeats unanswered for ``heartbeat_timeout_s``: a
-  frozen or partitioned process). These are *fenced* outcomes: the prefill
-  may still write the blocks (a frozen one writes on thaw), so the load is
-  named again by ``take_released()`` once its ``Result`` or the proof
-  arrives; until then its blocks must stay out of circulation.
-
-One ``kvguard-vllm-receiver`` thread owns every socket (one DEALER per
-prefill endpoint, with its monitor); the engine's calls reach it through a
-queue. A link whose prefill refused the connection is closed with whatever
-it still queued (a prefill started later on that port gets none of it), a
-link with no handshake ``heartbeat_timeout_s`` after its connect or its drop
-(accepted, never answered) connects again and asks again, waiting twice as
-long each time, and a link idle for ``IDLE_LINK_S`` is closed.
+This module only moves events in and actions out, on one thread:
+``kvguard-vllm-receiver`` owns every socket (one DEALER per prefill
+endpoint, with its monitor) and the core; the engine's calls reach it
+through a queue. It maps ZeroMQ's monitor events to ``states.LinkEvent``,
+recognises its own frames come back (a TCP self-connect: nothing listens),
+and probes a lost prefill's port with a plain TCP connect.
 """
 
 from __future__ import annotations
@@ -39,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -47,60 +33,42 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
-from .protocol import (
-    MAX_FRAME_BYTES,
-    Abort,
-    Push,
-    Renew,
-    Result,
-    decode_from_decode,
-    decode_from_prefill,
-    encode,
+from .decode_core import (
+    Action,
+    Close,
+    DecodeCore,
+    LoadOutcome,
+    Open,
+    Probe,
+    Report,
+    Send,
+    Unfence,
 )
+from .protocol import MAX_FRAME_BYTES, decode_from_decode, decode_from_prefill, encode
+from .states import LinkEvent
 
-__all__ = ["DecodeReceiver", "LoadOutcome", "prefill_url"]
+__all__ = ["DecodeReceiver", "LoadOutcome"]
 
 _log = structlog.get_logger("kvguard.vllm.receiver")
 
 _POLL_MS: Final = 5
 _RECENT: Final = 4096  # outcomes kept for inspection
-IDLE_LINK_S: Final = 60.0  # a link with no load this long is closed
-# A lost link's prefill is probed this often: a plain TCP connect to its
-# control port, refused only when nothing listens (a stopped process's port
-# still accepts, so ZeroMQ's own retries prove nothing).
-_PROBE_EVERY_S: Final = 0.5
 _PROBE_TIMEOUT_S: Final = 0.2
-# A stalled link's wait before it is made again doubles up to 2**this times
-# ``heartbeat_timeout_s``.
-_MAX_BACKOFF_DOUBLINGS: Final = 4
-# The events that change a link; the others are only noted (``last_event``).
-_EVENTS_ACTED_ON: Final = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_CLOSED
-)
-_EVENTS: Final = (
-    _EVENTS_ACTED_ON
-    | zmq.EVENT_CONNECTED
-    | zmq.EVENT_CONNECT_DELAYED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-)
-_EVENT_WORDS: Final[dict[int, str]] = {
-    int(zmq.EVENT_DISCONNECTED): "connection dropped",
-    int(zmq.EVENT_CONNECT_RETRIED): "connection refused",
-    int(zmq.EVENT_CLOSED): "connection refused or closed",
-    int(zmq.EVENT_CONNECTED): "connected",
-    int(zmq.EVENT_CONNECT_DELAYED): "connecting",
-    int(zmq.EVENT_HANDSHAKE_SUCCEEDED): "handshake done",
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake failed",
-    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake failed (protocol)",
+# ZeroMQ's monitor events, as the core knows them.
+_LINK_EVENTS: Final[dict[int, LinkEvent]] = {
+    int(zmq.EVENT_HANDSHAKE_SUCCEEDED): LinkEvent.HANDSHAKE,
+    int(zmq.EVENT_DISCONNECTED): LinkEvent.DROPPED,
+    int(zmq.EVENT_CONNECT_RETRIED): LinkEvent.REFUSED,
+    int(zmq.EVENT_CLOSED): LinkEvent.CLOSED,
+    int(zmq.EVENT_CONNECTED): LinkEvent.CONNECTED,
+    int(zmq.EVENT_CONNECT_DELAYED): LinkEvent.CONNECTING,
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): LinkEvent.HANDSHAKE_FAILED,
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): LinkEvent.HANDSHAKE_FAILED_PROTOCOL,
 }
+_EVENTS: Final = sum(_LINK_EVENTS)
 
 
 def _close(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
@@ -142,64 +110,29 @@ def _echoes(sock: socket.socket) -> bool:
     return got == nonce
 
 
-def prefill_url(endpoint: str) -> str:
-    """A prefill's control endpoint from a request's parameters (untrusted):
-    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else
-    (an ``inproc://`` or ``ipc://`` link would never report a drop, so its
-    loads could stay fenced for good)."""
-    rest = endpoint.removeprefix("tcp://")
-    if "://" in rest:
-        raise ValueError(f"expected tcp://HOST:PORT or HOST:PORT, got {endpoint!r}")
-    return endpoint_of(rest)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadOutcome:
-    """How one expected load ended on this side."""
-
-    request_id: str
-    ok: bool
-    reason: str  # "" when ok; else timeout, peer_lost, or the prefill's reason
-    detail: str
-    latency_s: float  # expect() -> this outcome
-    # Failed with no word from the prefill: it may still write the blocks.
-    # ``take_released()`` names the request once nothing can.
-    fenced: bool = False
+def _gone(endpoint: str) -> bool:
+    """Does nothing listen at ``endpoint``'s port? Refused, or connected to
+    itself (TCP self-connect, which happens only where nothing listens).
+    Unreachable or slow is silence, not proof."""
+    parts = urlsplit(endpoint)
+    if parts.hostname is None or parts.port is None:
+        return False
+    try:
+        with socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S) as s:
+            return s.getsockname() == s.getpeername() and _echoes(s)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 @dataclass(slots=True)
-class _Wait:
-    endpoint: str
-    remote_id: str
-    deadline: float  # time.monotonic()
-    started: float
-    push: bytes  # what asked for it, sent again on a new link (_reconnect)
-    asked: float = 0.0  # time.monotonic() of the last Abort: given up, asked again until answered
-    reported: bool = False  # the engine has a fenced outcome; the verdict releases it
-    cancelled: bool = False  # the engine gave up; the verdict reports it
-
-
-@dataclass(slots=True)
-class _Link:
-    """One prefill endpoint: its DEALER socket and what its monitor said."""
+class _Socket:
+    """The open DEALER of one link, and its monitor."""
 
     sock: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
-    up: bool = False  # a ZMTP handshake succeeded and no drop since
-    lost: bool = False  # dropped since the last handshake: what we asked may be lost
-    # Nothing sent for these waits can have reached the prefill unless this
-    # socket's monitor says so (a handshake). False on a link that replaced
-    # a stalled one: the old socket's handshake may have happened unseen, so
-    # a drop before this one's handshake proves nothing; only a refusal does.
-    fresh: bool = True
-    waits: set[str] = field(default_factory=set)  # local ids awaiting this prefill's verdict
-    used: float = 0.0  # time.monotonic() of the last expect
-    # time.monotonic() of the connect or the drop: a link not up long after
-    # either is stalled (ZeroMQ's own reconnects can hang, unanswered, for good)
-    down_since: float = 0.0
-    stalls: int = 0  # connects in a row that never came up; each waits twice as long
-    last_event: str = "none"  # the monitor's latest word, for a stalled link's log
-    probe_at: float = 0.0  # lost: when to probe the prefill's port next
+    gen: int  # the core's number for it
 
 
 class DecodeReceiver:
@@ -220,23 +153,21 @@ class DecodeReceiver:
         before this side's deadline, so its verdict arrives in time.
         ``compat``: this side's KV layout fingerprint, and ``heads`` (first,
         count) the KV heads its blocks hold, sent with each push."""
-        self._peer = peer
-        self._compat = compat
-        self._heads = heads
+        # A link with no handshake this long after its connect or its drop is
+        # stalled (on a live network one takes milliseconds; a refusal is an event).
+        self.peer = peer
+        self._core = DecodeCore(
+            peer, stall_s=heartbeat_timeout_s, margin_s=margin_s, compat=compat, heads=heads
+        )
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
-        # A link with no handshake this long after its connect or its drop is
-        # stalled (on a live network one takes milliseconds; a refusal is an
-        # event); each stall in a row doubles it (_stalled).
-        self._stall_s = heartbeat_timeout_s
-        self._margin_s = margin_s
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: list[LoadOutcome] = []  # (L) not yet taken
         self._unfenced: list[str] = []  # (L) fenced loads nothing writes any more
         self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
-        self._links: dict[str, _Link] = {}  # receiver thread only
-        self._waits: dict[str, _Wait] = {}  # receiver thread only
+        self._socks: dict[str, _Socket] = {}  # receiver thread only
+        self._poller = zmq.Poller()  # receiver thread only
         self.steps = 0  # receiver thread loop turns (a few hundred a second at most)
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
@@ -267,8 +198,8 @@ class DecodeReceiver:
 
     def cancel(self, request_id: str) -> None:
         """The engine gave up on ``request_id``: ask the prefill to stop. It is
-        still reported once, when the prefill confirms or at the deadline (its
-        blocks may be written to until then)."""
+        still reported once, when the prefill confirms (its blocks may be
+        written to until then)."""
         self._inbox.put(("cancel", (request_id,)))
 
     def renew(self, endpoint: str, remote_id: str) -> None:
@@ -297,7 +228,7 @@ class DecodeReceiver:
 
     def links(self) -> int:
         """Prefill endpoints with an open socket (for inspection and tests)."""
-        return len(self._links)
+        return len(self._socks)
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -306,48 +237,102 @@ class DecodeReceiver:
     # -- the receiver thread ---------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
         try:
             while not self._stop.is_set():
                 try:
-                    self._step(poller)
+                    self._turn()
                 except Exception:
                     _log.exception("receiver_loop_error")
         finally:
-            for link in self._links.values():
-                _close(link.sock, link.monitor)
+            for s in self._socks.values():
+                _close(s.sock, s.monitor)
             self._ctx.term()
 
-    def _step(self, poller: zmq.Poller) -> None:
-        if not self._links:
+    def _turn(self) -> None:
+        if not self._socks:
             # ZeroMQ's poll returns at once with nothing to poll (a busy loop
             # holding the GIL the engine's thread needs): wait on the inbox.
             with contextlib.suppress(queue.Empty):
-                self._command(poller, *self._inbox.get(timeout=_POLL_MS / 1000))
+                self._command(*self._inbox.get(timeout=_POLL_MS / 1000))
         while True:
             try:
                 kind, args = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            self._command(poller, kind, args)
-        ready = dict(poller.poll(_POLL_MS)) if self._links else {}
+            self._command(kind, args)
+        ready = dict(self._poller.poll(_POLL_MS)) if self._socks else {}
         self.steps += 1
-        for endpoint, link in list(self._links.items()):
-            if ready.get(link.monitor):
-                self._monitor(poller, endpoint, link)
-            if ready.get(link.sock) and endpoint in self._links:
-                self._results(poller, endpoint, link)
-        self._expire(poller, time.monotonic())
+        for endpoint, s in list(self._socks.items()):
+            if ready.get(s.monitor):
+                self._monitor(endpoint, s)
+            if ready.get(s.sock) and self._socks.get(endpoint) is s:
+                self._results(endpoint, s)
+        now = time.monotonic()
+        wake = self._core.next_wake()
+        if wake is not None and wake <= now:
+            self._apply(self._core.step(now))
 
-    def _link(self, poller: zmq.Poller, endpoint: str) -> _Link:
-        link = self._links.get(endpoint)
-        if link is None:
-            link = self._open(endpoint)
-            self._add_link(poller, endpoint, link)
-        return link
+    def _command(self, kind: str, args: tuple[object, ...]) -> None:
+        core, now = self._core, time.monotonic()
+        if kind == "expect":
+            rid, endpoint, remote_id, blocks, deadline, group = args
+            assert isinstance(rid, str) and isinstance(remote_id, str)
+            assert isinstance(endpoint, str) and isinstance(blocks, list)
+            assert isinstance(deadline, float) and isinstance(group, int)
+            acts = core.expect(rid, endpoint, remote_id, blocks, deadline, group, now, time.time())
+        elif kind == "cancel":
+            (rid,) = args
+            assert isinstance(rid, str)
+            acts = core.cancel(rid, now)
+        else:
+            endpoint, remote_id = args
+            assert isinstance(endpoint, str) and isinstance(remote_id, str)
+            tell = core.forget if kind == "forget" else core.renew
+            acts = tell(endpoint, remote_id, now)
+        self._apply(acts)
 
-    def _open(self, endpoint: str) -> _Link:
-        """A new DEALER connecting to ``endpoint``, with its monitor (ZMQError:
+    def _apply(self, actions: list[Action]) -> None:
+        """Carry out the core's actions, and those their outcomes bring."""
+        todo = list(reversed(actions))
+        while todo:
+            act = todo.pop()
+            more: list[Action] = []
+            if isinstance(act, Send):
+                s = self._socks.get(act.endpoint)
+                if s is not None:
+                    try:
+                        s.sock.send(encode(act.msg), flags=zmq.NOBLOCK)
+                    except zmq.ZMQError as exc:  # queue full: the deadline or the monitor ends it
+                        _log.info("send_failed", error=str(exc))
+            elif isinstance(act, Open):
+                more = self._dial(act)
+            elif isinstance(act, Close):
+                self._drop(act.endpoint)
+            elif isinstance(act, Probe):
+                more = self._core.probed(act.endpoint, _gone(act.endpoint), time.monotonic())
+            elif isinstance(act, Report):
+                self._report(act.outcome)
+            elif isinstance(act, Unfence):
+                with self._lock:
+                    self._unfenced.append(act.request_id)
+            todo.extend(reversed(more))
+
+    def _dial(self, act: Open) -> list[Action]:
+        """Open the core's socket ``act.gen``; the old one (a stalled link's)
+        closes only once the new one is made."""
+        endpoint, now = act.endpoint, time.monotonic()
+        try:
+            sock, monitor = self._open(endpoint)
+        except zmq.ZMQError as exc:
+            return self._core.open_failed(endpoint, act.gen, str(exc), now)
+        self._drop(endpoint)
+        self._socks[endpoint] = _Socket(sock, monitor, act.gen)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        return self._core.opened(endpoint, act.gen, now)
+
+    def _open(self, endpoint: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A new DEALER connecting to ``endpoint``, and its monitor (ZMQError:
         nothing was made)."""
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         try:
@@ -374,274 +359,42 @@ class DecodeReceiver:
         except zmq.ZMQError:
             _close(sock, monitor)
             raise
-        now = time.monotonic()
-        return _Link(sock, monitor, used=now, down_since=now)
+        return sock, monitor
 
-    def _add_link(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
-        self._links[endpoint] = link
-        poller.register(link.sock, zmq.POLLIN)
-        poller.register(link.monitor, zmq.POLLIN)
+    def _drop(self, endpoint: str) -> None:
+        """Close a link's socket with whatever it still queued (LINGER 0)."""
+        s = self._socks.pop(endpoint, None)
+        if s is not None:
+            self._poller.unregister(s.sock)
+            self._poller.unregister(s.monitor)
+            _close(s.sock, s.monitor)
 
-    def _drop_link(self, poller: zmq.Poller, endpoint: str) -> None:
-        """Close a link with whatever it still queued (LINGER 0)."""
-        link = self._links.pop(endpoint)
-        _log.info("prefill_link_closed", endpoint=endpoint, up=link.up, lost=link.lost)
-        poller.unregister(link.sock)
-        poller.unregister(link.monitor)
-        _close(link.sock, link.monitor)
+    def _monitor(self, endpoint: str, s: _Socket) -> None:
+        while self._socks.get(endpoint) is s:
+            try:
+                event = recv_monitor_message(s.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ev = _LINK_EVENTS.get(int(event["event"]))
+            if ev is not None:
+                self._apply(self._core.link_event(endpoint, s.gen, ev, time.monotonic()))
 
-    def _command(self, poller: zmq.Poller, kind: str, args: tuple[object, ...]) -> None:
-        if kind == "expect":
-            rid, endpoint, remote_id, blocks, deadline, group = args
-            assert isinstance(rid, str) and isinstance(remote_id, str)
-            assert isinstance(endpoint, str) and isinstance(blocks, list)
-            assert isinstance(deadline, float) and isinstance(group, int)
+    def _results(self, endpoint: str, s: _Socket) -> None:
+        while self._socks.get(endpoint) is s:
+            try:
+                body = s.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
             now = time.monotonic()
-            if rid in self._waits:
-                # The engine reused an id still loading: one outcome per id, the first's.
-                _log.error("expect_duplicate", request=rid, remote=remote_id)
-                return
-            left = deadline - now - self._margin_s
-            if left <= 0:
-                self._report(
-                    LoadOutcome(rid, False, "timeout", "deadline passed before asking", 0.0)
-                )
-                return
-            first, count = self._heads
-            push = Push(
-                remote_id,
-                rid,
-                blocks,
-                self._peer,
-                time.time() + left,
-                self._compat,
-                group,
-                first,
-                count,
-            )
-            body = encode(push)
-            try:
-                decode_from_decode(body)  # the prefill's own checks (ids, bounds)
-                url = prefill_url(endpoint)
-                link = self._link(poller, url)
-            except PeerProtocolError as exc:  # nothing was sent
-                self._report(LoadOutcome(rid, False, "bad_request", str(exc)[:1024], 0.0))
-                return
-            except (ValueError, zmq.ZMQError) as exc:
-                self._report(LoadOutcome(rid, False, "bad_endpoint", f"{endpoint!r}: {exc}", 0.0))
-                return
-            self._waits[rid] = _Wait(url, remote_id, deadline, now, body)
-            link.used = now
-            link.waits.add(rid)
-            self._send(link, body)
-        elif kind == "cancel":
-            (rid,) = args
-            assert isinstance(rid, str)
-            wait = self._waits.get(rid)
-            if wait is not None and not wait.cancelled and not wait.reported:
-                wait.cancelled = True
-                self._abort(poller, rid, wait)
-        elif kind in ("forget", "renew"):
-            endpoint, remote_id = args
-            assert isinstance(endpoint, str) and isinstance(remote_id, str)
-            try:
-                link = self._link(poller, prefill_url(endpoint))
-            except (ValueError, zmq.ZMQError):
-                return  # its load, if any, was refused as bad_endpoint
-            msg = Abort(remote_id) if kind == "forget" else Renew(remote_id)
-            self._send(link, encode(msg))
-
-    def _abort(self, poller: zmq.Poller, rid: str, wait: _Wait) -> None:
-        link = self._links.get(wait.endpoint)
-        if link is not None:
-            wait.asked = time.monotonic()
-            self._send(link, encode(Abort(wait.remote_id, rid)))
-
-    def _send(self, link: _Link, body: bytes) -> None:
-        try:
-            link.sock.send(body, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # queue full: the deadline or the monitor ends it
-            _log.info("send_failed", error=str(exc))
-
-    def _monitor(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(link.monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            ev = int(event["event"])
-            link.last_event = _EVENT_WORDS.get(ev, f"event {ev}")
-            what = f"prefill {endpoint}: {link.last_event}"
-            if ev == zmq.EVENT_CONNECTED:
-                continue  # TCP only: nothing flows before the handshake
-            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                _log.info(
-                    "prefill_link_up", endpoint=endpoint, was_lost=link.lost, waits=len(link.waits)
-                )
-                if link.lost or not link.fresh:
-                    # What we asked may be lost: ask again for every verdict
-                    # we gave up on (pushes sent since are queued on this
-                    # socket and arrive now).
-                    for rid in link.waits:
-                        wait = self._waits[rid]
-                        if wait.reported or wait.cancelled:
-                            self._abort(poller, rid, wait)
-                link.up, link.lost, link.fresh, link.stalls = True, False, True, 0
-                continue
-            if not ev & _EVENTS_ACTED_ON or link.lost:
-                continue  # a lost link waits for its handshake or a probe (_expire)
-            if link.up and ev != zmq.EVENT_DISCONNECTED:
-                continue  # only a drop ends an up link's session
-            if not link.up and link.fresh:
-                # Never connected: nothing we sent was delivered (messages
-                # flow only after a handshake), and closing the link drops
-                # what it queued, so no prefill started later gets it. (Not
-                # on a replaced link, whatever the event: a failed DNS look-up
-                # or socket() reads as "retried" too, and is no refusal.)
-                self._drop_all(poller, endpoint, link, what)
-                return
-            # Dropped: killed, or silent (frozen, partitioned), or a replaced
-            # link's drop before its handshake. Not proof: a frozen prefill
-            # writes on thaw; the loads stay fenced until its Result, or a
-            # probe finds nothing listening (_expire).
-            _log.info("prefill_link_lost", endpoint=endpoint, waits=len(link.waits))
-            link.up, link.lost = False, True
-            link.probe_at = link.down_since = time.monotonic()
-            for rid in link.waits:
-                self._give_up(rid, "peer_lost", what)
-
-    def _reconnect(self, poller: zmq.Poller, endpoint: str, link: _Link, now: float) -> None:
-        """A link with no handshake long after its connect or its drop:
-        connect again, asking again for its pushes, and for the verdicts of
-        its loads given up meanwhile. The old socket's handshake may happen
-        unseen as it closes, so the new link is not ``fresh``: only the
-        prefill's answer or a refusal frees a block."""
-        self._monitor(poller, endpoint, link)  # what it said up to now
-        if self._links.get(endpoint) is not link or not self._stalled(link, now):
-            return  # it came up, dropped or was closed meanwhile
-        _log.warning(
-            "prefill_link_stalled",
-            endpoint=endpoint,
-            waits=len(link.waits),
-            after_s=round(now - link.down_since, 3),
-            last_event=link.last_event,
-        )
-        try:
-            new = self._open(endpoint)  # before the old one closes: it keeps the waits
-        except zmq.ZMQError as exc:
-            _log.warning("prefill_link_reopen_failed", endpoint=endpoint, error=str(exc))
-            link.down_since, link.stalls = now, link.stalls + 1
-            return
-        new.waits, new.used, new.fresh = link.waits, link.used, False
-        new.lost, new.probe_at, new.stalls = link.lost, link.probe_at, link.stalls + 1
-        self._drop_link(poller, endpoint)
-        self._add_link(poller, endpoint, new)
-        for rid in new.waits:
-            wait = self._waits[rid]
-            if wait.reported or wait.cancelled:
-                self._abort(poller, rid, wait)
-            else:
-                self._send(new, wait.push)
-
-    def _stalled(self, link: _Link, now: float) -> bool:
-        """No handshake long after the connect (backing off: a peer that
-        accepts and never answers is not dialled every few seconds for good)."""
-        if link.up or not link.waits:
-            return False
-        backoff = 1 << min(link.stalls, _MAX_BACKOFF_DOUBLINGS)
-        return now - link.down_since > self._stall_s * backoff
-
-    def _drop_all(self, poller: zmq.Poller, endpoint: str, link: _Link, what: str) -> None:
-        for rid in list(link.waits):
-            self._over(rid, Result(self._waits[rid].remote_id, rid, False, "peer_lost", what))
-        self._drop_link(poller, endpoint)
-
-    def _results(self, poller: zmq.Poller, endpoint: str, link: _Link) -> None:
-        while True:
-            try:
-                body = link.sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
             try:
                 res = decode_from_prefill(body)
             except PeerProtocolError as exc:
-                if _ours(body):
-                    # Our own message came back: the link connected to
-                    # itself (TCP self-connect: dialling a port nothing
-                    # listens on, from that same port), so nothing listens.
-                    what = f"prefill {endpoint}: connected to itself, nothing listens there"
-                    self._drop_all(poller, endpoint, link, what)
-                    return
-                _log.warning("bad_prefill_message", endpoint=endpoint, error=str(exc))
+                if _ours(body):  # our own message came back: connected to itself
+                    self._apply(self._core.echoed(endpoint, s.gen, now))
+                else:
+                    _log.warning("bad_prefill_message", endpoint=endpoint, error=str(exc))
                 continue
-            wait = self._waits.get(res.load_id)
-            if wait is None or wait.endpoint != endpoint or wait.remote_id != res.request_id:
-                _log.info("result_unexpected", endpoint=endpoint, load=res.load_id)
-                continue  # not a load of ours on this link: it marks nothing
-            self._over(res.load_id, res)
-
-    def _probe(self, poller: zmq.Poller, endpoint: str, link: _Link, now: float) -> None:
-        """Does anything listen at a lost prefill's port? Refused: nothing
-        of that prefill can write any more."""
-        link.probe_at = now + _PROBE_EVERY_S
-        parts = urlsplit(endpoint)
-        if parts.hostname is None or parts.port is None:
-            return
-        try:
-            with socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S) as s:
-                if s.getsockname() != s.getpeername() or not _echoes(s):
-                    return  # something listens: perhaps the frozen prefill
-        except ConnectionRefusedError:
-            pass
-        except OSError:
-            return  # unreachable or slow: silent, not proof
-        # Refused, or connected to itself (TCP self-connect), which happens
-        # only where nothing listens.
-        self._drop_all(poller, endpoint, link, f"prefill {endpoint}: connection refused")
-
-    def _expire(self, poller: zmq.Poller, now: float) -> None:
-        for rid, wait in self._waits.items():
-            if wait.deadline <= now and not wait.reported and not wait.cancelled:
-                self._abort(poller, rid, wait)  # answered once nothing writes its blocks
-                self._give_up(rid, "timeout", "no verdict from the prefill by the deadline")
-            elif (wait.reported or wait.cancelled) and now - wait.asked > self._stall_s:
-                # A verdict can be lost on the way (the prefill replied while
-                # our connection changed hands): ask again while the link is
-                # up; the prefill answers every Abort, once nothing writes.
-                link = self._links.get(wait.endpoint)
-                if link is not None and link.up:
-                    self._abort(poller, rid, wait)
-        probed = False  # one probe a turn: an unreachable host's takes _PROBE_TIMEOUT_S
-        for endpoint, link in list(self._links.items()):
-            if link.lost and link.waits and link.probe_at <= now and not probed:
-                self._probe(poller, endpoint, link, now)
-                probed = True
-            elif self._stalled(link, now):
-                self._reconnect(poller, endpoint, link, now)
-            elif not link.waits and now - link.used > IDLE_LINK_S:
-                self._drop_link(poller, endpoint)
-
-    def _give_up(self, rid: str, reason: str, detail: str) -> None:
-        """Report ``rid`` failed now, fenced: its verdict comes later."""
-        wait = self._waits[rid]
-        if wait.reported or wait.cancelled:
-            return
-        wait.reported = True
-        self._report(LoadOutcome(rid, False, reason, detail, time.monotonic() - wait.started, True))
-
-    def _over(self, rid: str, res: Result) -> None:
-        """Nothing of the prefill writes ``rid``'s blocks any more."""
-        wait = self._waits.pop(rid)
-        link = self._links.get(wait.endpoint)
-        if link is not None:
-            link.waits.discard(rid)
-        if wait.reported:
-            with self._lock:
-                self._unfenced.append(rid)
-            _log.info("kv_load_released", request=rid, reason=res.reason)
-            return
-        latency = time.monotonic() - wait.started
-        self._report(LoadOutcome(rid, res.ok, "" if res.ok else res.reason, res.detail, latency))
+            self._apply(self._core.result(endpoint, res, now))
 
     def _report(self, out: LoadOutcome) -> None:
         if not out.ok:

@@ -25,6 +25,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from kvguard.decode.control import endpoint_of
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import MAX_LIST_LEN, PeerMessage
 
@@ -35,10 +36,13 @@ __all__ = [
     "Push",
     "Renew",
     "Result",
+    "check",
     "decode_from_decode",
     "decode_from_prefill",
     "encode",
     "ids_of",
+    "prefill_url",
+    "truncate",
 ]
 
 MAX_FRAME_BYTES: Final = 2 << 20  # a Push with MAX_LIST_LEN blocks and regions fits
@@ -163,6 +167,23 @@ def decode_from_prefill(raw: bytes) -> Result:
         return _from_prefill.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PeerProtocolError(f"bad message from prefill: {exc}") from exc
+
+
+def check(msg: Push | Abort | Renew) -> None:
+    """What the prefill will check of ``msg`` (ids, sizes), checked before
+    it is sent: PeerProtocolError names what is wrong."""
+    decode_from_decode(encode(msg))
+
+
+def prefill_url(endpoint: str) -> str:
+    """A prefill's control endpoint from a request's parameters (untrusted):
+    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else
+    (an ``inproc://`` or ``ipc://`` link would never report a drop, so its
+    loads could stay fenced for good)."""
+    rest = endpoint.removeprefix("tcp://")
+    if "://" in rest:
+        raise ValueError(f"expected tcp://HOST:PORT or HOST:PORT, got {endpoint!r}")
+    return endpoint_of(rest)
 
 
 def truncate(text: str, limit: int = 1024) -> str:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Leg", "RankHeads", "legs", "rank_endpoint"]
+from transfer.plan import BlockSlice
+
+__all__ = ["Leg", "RankHeads", "block_slice", "legs", "rank_endpoint"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,28 @@ def legs(decode: RankHeads, prefill_size: int, head_major: bool) -> list[Leg]:
             fan_in = sum(a < b for a, b in (_overlap(p, d) for d in ranks))
             out.append(Leg(p.rank, lo - p.first, lo - decode.first, hi - lo, fan_in, False))
     return out
+
+
+def block_slice(
+    mine: RankHeads | None, first: int, count: int, head_major: bool, block_bytes: int
+) -> BlockSlice | None:
+    """What a prefill rank holding ``mine`` writes of each block to a decode
+    rank holding heads ``[first, first + count)``: whole blocks (None) where
+    both hold the same heads (``count`` 0: whatever the prefill holds), else
+    the slice with the heads both hold. ValueError names both ranges where
+    there is none, or where a share of a block is not one run (heads not
+    outermost in a block)."""
+    if mine is None or count == 0 or (first, count) == (mine.first, mine.count):
+        return None
+    lo, hi = max(mine.first, first), min(mine.first + mine.count, first + count)
+    if lo >= hi or not head_major:
+        raise ValueError(
+            f"the decode rank holds KV heads [{first}, {first + count}), this prefill "
+            f"rank [{mine.first}, {mine.first + mine.count}): "
+            + ("none in common" if lo >= hi else "a share of a block needs heads outermost")
+        )
+    unit = block_bytes // mine.count
+    return BlockSlice((lo - mine.first) * unit, (lo - first) * unit, (hi - lo) * unit)
 
 
 def _overlap(a: RankHeads, b: RankHeads) -> tuple[int, int]:
