@@ -988,10 +988,10 @@ def test_decodes_and_prefills_that_churn_away_are_forgotten(
 ) -> None:
     """Every decode restart is a new Mooncake session and every prefill a
     new endpoint: idle ones are forgotten on both sides, and learnt again."""
-    from kvguard.vllm import decode_core, prefill_core
+    from kvguard.vllm import decode_links, prefill_core
 
     monkeypatch.setattr(prefill_core, "IDLE_PEER_S", 0.3)
-    monkeypatch.setattr(decode_core, "IDLE_LINK_S", 0.3)
+    monkeypatch.setattr(decode_links, "IDLE_LINK_S", 0.3)
     test_push_lands_and_both_sides_report_once(pair)
     assert pair.sender.peers() == 1 and pair.receiver.links() == 1
     pair.until(lambda: pair.sender.peers() == 0 and pair.receiver.links() == 0)

@@ -26,7 +26,7 @@ from typing import Final
 
 import structlog
 
-from .decode_core import LoadOutcome
+from .actions import LoadOutcome
 from .states import REQUEST, RequestState
 
 __all__ = ["DecodeLegs", "Verdict"]

@@ -7,12 +7,11 @@ as loaded or as failed, and ``take_released()`` names a load reported
 fenced once nothing of the prefill can write its blocks. Every decision is
 ``decode_core.DecodeCore``'s (its docstring says when each happens).
 
-This module only moves events in and actions out, on one thread:
-``kvguard-vllm-receiver`` owns every socket (one DEALER per prefill
-endpoint, with its monitor) and the core; the engine's calls reach it
-through a queue. It maps ZeroMQ's monitor events to ``states.LinkEvent``,
-recognises its own frames come back (a TCP self-connect: nothing listens),
-and probes a lost prefill's port with a plain TCP connect.
+It only moves events in and actions out, on one thread that owns every
+socket (a DEALER per prefill endpoint, with its monitor) and the core; the
+engine's calls reach it through a queue. It maps ZeroMQ's monitor events to
+``states.LinkEvent``, tells its own frames come back (a TCP self-connect:
+nothing listens), and probes a lost prefill's port with a TCP connect.
 """
 
 from __future__ import annotations
@@ -36,17 +35,8 @@ from zmq.utils.monitor import recv_monitor_message
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
-from .decode_core import (
-    Action,
-    Close,
-    DecodeCore,
-    LoadOutcome,
-    Open,
-    Probe,
-    Report,
-    Send,
-    Unfence,
-)
+from .actions import Close, DecodeAction, LoadOutcome, Open, Probe, Report, Send, Unfence
+from .decode_core import DecodeCore
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, decode_from_prefill, encode
 from .states import LinkEvent
 
@@ -153,8 +143,7 @@ class DecodeReceiver:
         before this side's deadline, so its verdict arrives in time.
         ``compat``: this side's KV layout fingerprint, and ``heads`` (first,
         count) the KV heads its blocks hold, sent with each push."""
-        # A link with no handshake this long after its connect or its drop is
-        # stalled (on a live network one takes milliseconds; a refusal is an event).
+        # No handshake this long after a connect or drop: stalled (one takes ms).
         self.peer = peer
         self._core = DecodeCore(
             peer, stall_s=heartbeat_timeout_s, margin_s=margin_s, compat=compat, heads=heads
@@ -177,8 +166,6 @@ class DecodeReceiver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvguard-vllm-receiver", daemon=True)
         self._thread.start()
-
-    # -- engine side -----------------------------------------------------------
 
     def expect(
         self,
@@ -291,12 +278,12 @@ class DecodeReceiver:
             acts = tell(endpoint, remote_id, now)
         self._apply(acts)
 
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[DecodeAction]) -> None:
         """Carry out the core's actions, and those their outcomes bring."""
         todo = list(reversed(actions))
         while todo:
             act = todo.pop()
-            more: list[Action] = []
+            more: list[DecodeAction] = []
             if isinstance(act, Send):
                 s = self._socks.get(act.endpoint)
                 if s is not None:
@@ -317,7 +304,7 @@ class DecodeReceiver:
                     self._unfenced.append(act.request_id)
             todo.extend(reversed(more))
 
-    def _dial(self, act: Open) -> list[Action]:
+    def _dial(self, act: Open) -> list[DecodeAction]:
         """Open the core's socket ``act.gen``; the old one (a stalled link's)
         closes only once the new one is made."""
         endpoint, now = act.endpoint, time.monotonic()

@@ -38,16 +38,8 @@ from transfer import TransferBackend
 from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
 
-from .prefill_core import (
-    AbortTransfer,
-    Action,
-    ForgetPeer,
-    PrefillCore,
-    Release,
-    Reply,
-    SenderStats,
-    Submit,
-)
+from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
+from .prefill_core import PrefillCore
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, encode, ids_of, truncate
 from .ranks import RankHeads
 from .states import LoadEnd
@@ -223,7 +215,7 @@ class PrefillSender:
             self._peers = core.peers()
             self._released.update(released)
 
-    def _receive(self, frames: list[bytes]) -> list[Action]:
+    def _receive(self, frames: list[bytes]) -> list[PrefillAction]:
         if len(frames) != 2:
             _log.debug("malformed_envelope", frames=len(frames))
             return []
@@ -235,12 +227,12 @@ class PrefillSender:
             return self._core.malformed(ident, ids_of(body), truncate(str(exc)))
         return self._core.receive(ident, msg, time.monotonic(), time.time())
 
-    def _apply(self, actions: list[Action], released: list[str]) -> None:
+    def _apply(self, actions: list[PrefillAction], released: list[str]) -> None:
         """Carry out the core's actions, and those their outcomes bring."""
         todo = list(reversed(actions))
         while todo:
             act = todo.pop()
-            more: list[Action] = []
+            more: list[PrefillAction] = []
             if isinstance(act, Reply):
                 try:
                     self._sock.send_multipart([act.ident, encode(act.result)], flags=zmq.NOBLOCK)
@@ -261,7 +253,7 @@ class PrefillSender:
                     b.remove_peer(act.session)
             todo.extend(reversed(more))
 
-    def _submit(self, act: Submit) -> list[Action]:
+    def _submit(self, act: Submit) -> list[PrefillAction]:
         try:
             if act.new_peer:
                 for b in self._peer_backends:
