@@ -10,13 +10,17 @@ that import vLLM. Load it with::
 The rest is vLLM-free and type-checked with kvguard:
 
 * ``protocol``: the msgspec messages the two sides exchange over ZeroMQ.
-* ``prefill_pushes``: the prefill side -- holds each finished request's blocks,
-  pushes them through a kvguard ``Scheduler`` when the decode asks, and
-  lets go of them only after kvguard released them (terminal AND quiesced),
-  or at the hold deadline when no decode asked.
-* ``decode_loads``: the decode side -- asks the prefill to push, and ends every
-  wait at the first of: the prefill's verdict, the prefill's death (the
-  TCP connection drops), its silence (ZeroMQ heartbeats) or the deadline.
+* ``states``: the hand-off's state machines as tables (a prefill's hold and
+  each push of it, a decode's load, its link to a prefill, a request's legs)
+  and ``LoadEnd``, every way a load ends.
+* ``prefill_core`` (with ``admission``, ``peer_ledger``, ``prefill_records``)
+  and ``decode_core`` (with ``decode_links``, ``decode_records``): the
+  decisions of each side, sans I/O -- events and ``now`` in, ``actions`` out.
+* ``prefill_pushes``: the prefill's driver -- a ROUTER socket and a kvguard
+  ``Scheduler`` around ``PrefillCore``; blocks go back to the engine only
+  after kvguard released every transfer into them (terminal AND quiesced).
+* ``decode_loads``: the decode's driver -- a DEALER per prefill, its
+  monitor and probes around ``DecodeCore``.
 * ``ranks``: tensor parallelism -- which KV heads each rank holds, and which
   prefill ranks write a decode rank's blocks (its *legs*).
 * ``decode_legs``: a decode request's load across its legs -- loaded only
