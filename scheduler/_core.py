@@ -41,8 +41,8 @@ A step does make these calls, none of which blocks, and each for a reason:
   The record carries the lifecycle's own ``time.monotonic()`` stamp,
   which no decision of the core reads.
 * The core's own structlog events, one per peer change and none per
-  request: ``peer_lost`` and ``peer_alive``. A crashed worker's traceback
-  is rendered on the callback thread, not in the step.
+  request (``_peer_changes``). A crashed worker's traceback is rendered
+  on the callback thread, not in the step.
 * ``defer(fn)`` (the callback runner's queue) and the driver's ``wake()``.
 
 Who may end a request, exactly once: the core (complete, a typed failure, TIMEOUT,
@@ -69,17 +69,10 @@ from typing import NamedTuple, cast
 import structlog
 
 from lifecycle import FailureReason, Journal, RequestLifecycle, TransferState, exit_reason
-from transfer import (
-    PeerInfo,
-    PeerLost,
-    TransferBackend,
-    TransferError,
-    TransferOp,
-    TransferPlan,
-    TransferTimeout,
-)
+from transfer import PeerInfo, TransferBackend, TransferOp, TransferPlan, TransferTimeout
 
 from ._lazyheap import LazyHeap
+from ._peer_changes import PeerChanges
 from ._peers import Peers
 from ._phase import ENDABLE, Phase, move
 from ._records import Finished, ReleaseCallback, RetryPolicy, detach_traceback
@@ -103,8 +96,11 @@ class StepResult(NamedTuple):
     next_at: float | None  # step again by then at the latest (None: only on input)
 
 
-class SchedulerCore:
-    """Request state and its transitions; driven by ``step(now)``."""
+class SchedulerCore(PeerChanges):
+    """Request state and its transitions; driven by ``step(now)``.
+
+    Its peer inputs and their handlers are ``PeerChanges``'s.
+    """
 
     def __init__(
         self,
@@ -177,39 +173,6 @@ class SchedulerCore:
         self.table.admit(req, info, self._on_new, settle)
         self.table.wake()
 
-    def probe_result(self, session_id: str, error: BaseException | None) -> None:
-        self.table.post(self._on_probe, session_id, error)
-
-    def add_peer(self, info: PeerInfo) -> int:
-        with self.table.lock:
-            _, stranded = self.table.peers.add(info)
-        err = PeerLost(f"peer {info.session_id} was replaced", peer=info.session_id)
-        return fail_all(stranded, FailureReason.PEER_LOST, err)
-
-    def remove_peer(self, session_id: str) -> int | None:
-        with self.table.lock:
-            peer = self.table.peers.remove(session_id)
-        if peer is None:
-            return None
-        _log.info("peer_removed", peer=session_id, live_requests=len(peer.live))
-        err = PeerLost(f"peer {session_id} was removed", peer=session_id)
-        return fail_all(list(peer.live), FailureReason.PEER_LOST, err)
-
-    def lose_peer(self, session_id: str, err: TransferError) -> int | None:
-        """Mark lost and fail its live requests; None if the peer is unknown."""
-        victims = self._lose(session_id)
-        return None if victims is None else fail_all(victims, FailureReason.PEER_LOST, err)
-
-    def _lose(self, session_id: str) -> list[RequestRecord] | None:
-        with self.table.lock:
-            if self.table.peers.get(session_id) is None:
-                return None
-            newly, victims = self.table.peers.lose(session_id)
-        if newly:
-            _log.warning("peer_lost", peer=session_id, live_requests=len(victims))
-            self.table.wake()  # the driver schedules probes that may revive it
-        return victims
-
     def shutdown(self) -> list[RequestRecord]:
         """Refuse submits; fail every live request with SHUTDOWN."""
         live = self.table.close()
@@ -273,22 +236,6 @@ class SchedulerCore:
         if req.phase is _FINISHED and self._quarantine.take(req):
             move(req, _RELEASING)
             self._releases.append(req)
-
-    def _on_probe(self, session_id: str, error: BaseException | None) -> None:
-        with self.table.lock:
-            verdict = self.table.peers.probed(
-                session_id, error is None, self._now, self.probe_interval_s
-            )
-        if verdict == "lost":
-            self._lose_now(session_id, PeerLost(f"probe failed: {error}", peer=session_id))
-        elif verdict == "alive":
-            _log.info("peer_alive", peer=session_id)
-
-    def _lose_now(self, session_id: str, err: TransferError) -> None:
-        # In the step, the core's own endings post nothing: finish them here.
-        for req in self._lose(session_id) or ():
-            if req.lc.fail(FailureReason.PEER_LOST, err) or req.lc.is_terminal:
-                self._finish(req)
 
     # -- timers and admission (step only) ------------------------------------------------
 

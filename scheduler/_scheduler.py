@@ -4,7 +4,10 @@ One class says everything a caller can do and be told: submit, peers,
 driving, outcomes (poll, get, wait, wait_async), abort, metrics, drain and
 close. Request state lives in the request table and the core, and every
 read here takes their locks; the Scheduler keeps only what is its callers':
-the outcomes not yet polled and the observers.
+the outcomes not yet polled and the observers. What it tells of each
+request's end is its base ``Outcomes`` (``_outcomes.py``); what it shows of
+itself, metrics and live and quarantined requests, its base ``Observation``
+(``_observation.py``).
 
 ``submit`` validates and builds the plan in the caller's thread, then admits
 the request atomically with peer changes (``_requests.RequestTable``).
@@ -24,45 +27,35 @@ keeps counting such requests as ``quarantined`` until then.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import structlog
 
-from lifecycle import FailureReason, Journal, RequestLifecycle, TransferState
+from lifecycle import Journal, RequestLifecycle
 from transfer import PeerInfo, PeerLost, TransferBackend, TransferError, TransferPlan
 from transfer.cache import KVCache
 from transfer.plan import DEFAULT_MAX_BATCH_ENTRIES, BlockSlice, build_plan
 
 from ._core import SchedulerCore, StepResult
 from ._drivers import CallbackRunner, Prober, ThreadDriver, run_async
-from ._phase import LIVE, Phase
-from ._records import (
-    DEFAULT_PEER_LOST_AFTER_PROBES,
-    Finished,
-    MetricsSnapshot,
-    ReleaseCallback,
-    RetryPolicy,
-)
+from ._observation import Observation
+from ._outcomes import Outcomes
+from ._records import DEFAULT_PEER_LOST_AFTER_PROBES, Finished, ReleaseCallback, RetryPolicy
 from ._release import run_release
-from ._requests import RequestRecord, RequestTable, Tombstone
-from .errors import DriverFailed, InvalidRequest, SchedulerClosed, UnknownPeer, UnknownRequest
+from ._requests import RequestTable
+from .errors import DriverFailed, InvalidRequest, SchedulerClosed, UnknownPeer
 
 __all__ = ["Scheduler"]
 
 _log = structlog.get_logger("kvguard.scheduler")
-_LIVE_STATES = (TransferState.PENDING, TransferState.TRANSFERRING)
-# A waiter returns at the step that ends its request; this bounds how long it
-# waits past the deadline for a driver that is late or gone.
-_WAIT_GRACE_S = 1.0
 
 
-class Scheduler:
+class Scheduler(Outcomes, Observation):
     """Submit KV transfers; every request ends DONE or FAILED by its deadline."""
 
     def __init__(
@@ -310,145 +303,6 @@ class Scheduler:
         if self._driver_error is not None:
             raise DriverFailed("the scheduler's driver thread died") from self._driver_error
 
-    # -- outcomes: poll, get, wait, abort --------------------------------------
-
-    def poll(self) -> list[Finished]:
-        """Requests that became terminal since the last poll(); never blocks."""
-        out: list[Finished] = []
-        pop = self._unpolled.popleft
-        with contextlib.suppress(IndexError):
-            while True:
-                out.append(pop())
-        return out
-
-    def _find(self, request_id: str) -> RequestRecord | Tombstone:
-        found = self._table.find(request_id)
-        if found is None:
-            raise UnknownRequest(f"unknown request {request_id!r}")
-        return found
-
-    def get(self, request_id: str) -> RequestLifecycle:
-        """The request's lifecycle; for a released one, while the caller still holds it."""
-        found = self._find(request_id)
-        if isinstance(found, RequestRecord):
-            return found.lc
-        lc = found.lifecycle()
-        if lc is None:
-            raise UnknownRequest(f"request {request_id!r} was released and forgotten")
-        return lc
-
-    def _waitable(self, request_id: str, wake: Callable[[], object]) -> RequestRecord | None:
-        found = self._find(request_id)
-        if isinstance(found, Tombstone) or not self._table.add_waker(found, wake):
-            return None
-        return found
-
-    def wait(self, request_id: str, timeout: float | None = None) -> TransferState:
-        """Block until the core has seen the request terminal, ``timeout``
-        passes, or its deadline passes (whichever is first); return its state."""
-        event = threading.Event()
-        req = self._waitable(request_id, event.set)
-        if req is not None:
-            event.wait(_bounded(req.deadline, timeout))
-            if not event.is_set():
-                self._check_driver()
-        return self._state_of(request_id, req)
-
-    async def wait_async(self, request_id: str, timeout: float | None = None) -> TransferState:
-        """asyncio form of wait(); cancelling the await does not abort the request."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def resolve() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone
-                loop.call_soon_threadsafe(resolve)
-
-        req = self._waitable(request_id, wake)
-        if req is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), _bounded(req.deadline, timeout))
-            if not fut.done():
-                self._check_driver()
-        return self._state_of(request_id, req)
-
-    def _state_of(self, request_id: str, req: RequestRecord | None) -> TransferState:
-        if req is not None:
-            return req.lc.state
-        found = self._find(request_id)
-        return found.lc.state if isinstance(found, RequestRecord) else found.state
-
-    def abort(self, request_id: str) -> bool:
-        """Fail the request with ABORTED. False if it was already terminal."""
-        found = self._find(request_id)
-        return isinstance(found, RequestRecord) and found.lc.fail(FailureReason.ABORTED)
-
-    # -- observation -----------------------------------------------------------
-
-    def metrics(self) -> MetricsSnapshot:
-        now = time.monotonic()
-        core = self._core
-        with core.lock:
-            by_state: Counter[str] = Counter()
-            oldest = 0.0
-            releasing = 0
-            for req in self._table.requests():
-                if req.phase in LIVE:
-                    by_state[req.lc.state.name] += 1
-                    oldest = max(oldest, now - req.submitted)
-                elif req.phase is Phase.RELEASING:
-                    releasing += 1
-            quarantined, qbytes = core.quarantine()
-            return MetricsSnapshot(
-                done=core.done,
-                failed_by_reason=dict(core.failed),
-                live_by_state={s.name: by_state.get(s.name, 0) for s in _LIVE_STATES},
-                quarantined=quarantined,
-                oldest_live_age_s=oldest,
-                released=self._table.released,
-                released_before_quiesce=core.checks.before_quiesce,
-                double_releases=core.checks.double,
-                peers_lost=self._table.peers.lost_count,
-                bytes_done=core.bytes_done,
-                quarantined_bytes=qbytes,
-                releasing=releasing,
-                unpolled=len(self._unpolled),
-                unpolled_dropped=self._unpolled_dropped,
-                callbacks_pending=self._callbacks.pending(),
-                callbacks_stalled=self._callbacks.stalled,
-                driver_alive=self._driver_error is None,
-            )
-
-    def live_requests(self) -> list[RequestLifecycle]:
-        return [lc for lc, _, _ in self.live_entries()]
-
-    def live_entries(self) -> list[tuple[RequestLifecycle, str, float]]:
-        """(lifecycle, peer, submitted at on time.monotonic()) of each live request."""
-        return [
-            (r.lc, r.peer, r.submitted)
-            for r in self._table.requests()
-            if r.phase in LIVE and not r.lc.is_terminal
-        ]
-
-    def quarantined_entries(self) -> list[tuple[str, str, float, int, int]]:
-        """(request id, peer, terminal at on time.monotonic(), bytes, ops not
-        yet quiesced) of each quarantined request, oldest first."""
-        with self._core.lock:
-            reqs = self._core.quarantined()
-            return [
-                (
-                    r.request_id,
-                    r.peer,
-                    r.submitted + (r.finished.latency_s if r.finished else 0.0),
-                    r.plan.nbytes,
-                    r.unquiesced,
-                )
-                for r in reqs
-            ]
-
     # -- drain and close -------------------------------------------------------
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -516,8 +370,3 @@ def _check_deadline(name: str, value: float) -> None:
         or value == float("inf")
     ):
         raise InvalidRequest(f"{name} must be a positive finite number of seconds, got {value!r}")
-
-
-def _bounded(deadline: float, timeout: float | None) -> float:
-    left = deadline - time.monotonic() + _WAIT_GRACE_S
-    return max(0.0, left if timeout is None else min(timeout, left))

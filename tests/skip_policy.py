@@ -3,9 +3,11 @@
 ``scripts/test.sh`` (the README's test command, and so CI) passes it, so a
 test that skips itself because something the set-up provides is missing --
 the engine, etcd, Graphviz, aiohttp, vLLM in .venv-vllm -- fails the run
-instead of passing it quietly. Skips are read from pytest's own reports (test
-and collection reports), never from its text output; ``-ra`` (pyproject)
-still lists every skip with its reason.
+instead of passing it quietly. An xfail is a skip too (pytest reports it as
+one): its reason must be on the list, or the run fails, so a known bug cannot
+hide behind a marker. Skips are read from pytest's own reports (test and
+collection reports), never from its text output; ``-ra`` (pyproject) still
+lists every skip with its reason.
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail"):  # an xfail: its marker's (or pytest.xfail()'s) reason
+        return str(report.wasxfail)
     longrepr = report.longrepr
     reason = str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
     return reason.removeprefix("Skipped: ")
 
 
 class _StrictSkips:
-    """Records skips not on the allow-list and fails a session that had one."""
+    """Records skips (xfails included) not on the allow-list and fails a session that had one."""
 
     unexpected: list[tuple[str, str]]  # (node id, reason), in report order
 
@@ -66,12 +70,13 @@ class _StrictSkips:
         self.unexpected = []
 
     def _record(self, report: pytest.CollectReport | pytest.TestReport) -> None:
-        if not report.skipped or hasattr(report, "wasxfail"):  # an xfail is not a skip
+        if not report.skipped:  # an xfail is skipped too; an xpass is not (strict: it failed)
             return
         reason = _reason(report)
         allowed = ALLOWED.get(reason)
         if allowed is None or not allowed():
-            self.unexpected.append((report.nodeid, reason))
+            xfail = hasattr(report, "wasxfail")
+            self.unexpected.append((report.nodeid, f"xfail: {reason}" if xfail else reason))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self._record(report)

@@ -85,12 +85,42 @@ def test_an_allowed_skip_passes_only_where_its_condition_holds(tmp_path: Path) -
     assert "1 passed, 1 skipped" in out, out
 
 
-def test_an_xfail_is_not_a_skip(tmp_path: Path) -> None:
-    source = 'import pytest\n\n@pytest.mark.xfail(reason="known", strict=True)\n'
-    source += "def test_known_bug():\n    assert False\n"
-    rc, out = _pytest(tmp_path, source, "--strict-skips")
+XFAILS_FOR_A_KNOWN_BUG = """
+import pytest
+
+def test_runs():
+    pass
+
+@pytest.mark.xfail(reason="known bug", strict=True)
+def test_known_bug():
+    assert False
+
+def test_known_at_run_time():
+    pytest.xfail("found out while running")
+"""
+
+
+def test_an_xfail_not_on_the_list_fails_the_session_like_a_skip(tmp_path: Path) -> None:
+    rc, out = _pytest(tmp_path, XFAILS_FOR_A_KNOWN_BUG, "--strict-skips")
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "test_case.py::test_known_bug: xfail: known bug" in out, out
+    assert "test_case.py::test_known_at_run_time: xfail: found out while running" in out, out
+    assert "1 passed, 2 xfailed" in out, out
+
+
+def test_without_the_option_an_xfail_is_only_reported(tmp_path: Path) -> None:
+    rc, out = _pytest(tmp_path, XFAILS_FOR_A_KNOWN_BUG)
     assert rc == pytest.ExitCode.OK, out
-    assert "1 xfailed" in out, out
+    assert "1 passed, 2 xfailed" in out, out
+
+
+def test_an_allowed_xfail_passes_only_where_its_condition_holds(tmp_path: Path) -> None:
+    source = 'import pytest\n\n@pytest.mark.xfail(reason="needs CUDA", strict=True)\n'
+    source += "def test_cuda():\n    assert False\n\ndef test_cpu():\n    pass\n"
+    rc, out = _pytest(tmp_path, source, "--strict-skips")
+    expected = pytest.ExitCode.TESTS_FAILED if torch.cuda.is_available() else pytest.ExitCode.OK
+    assert rc == expected, out
+    assert "1 passed, 1 xfailed" in out, out
 
 
 def test_a_failing_session_keeps_its_status(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ from lifecycle import (
     TransferState,
     TransitionRecord,
 )
-from scheduler import _core, _lazyheap
+from scheduler import _core, _lazyheap, _peer_changes
 from scheduler._core import SchedulerCore
 from scheduler._drivers import _contained
 from scheduler._records import Finished, RetryPolicy
@@ -433,8 +433,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.crashes: list[M] = []  # requests whose backend.submit raised
         self.expected_logs: list[tuple[str, str, tuple[tuple[str, object], ...]]] = []
         self.logs = LogRecorder()
-        self._saved_log = _core._log
-        _core._log = self.logs
+        self._saved_logs = _core._log, _peer_changes._log  # the core logs from both modules
+        _core._log = _peer_changes._log = self.logs
         self.reported: list[M] = []
 
     def check(self, ok: bool, invariant: str, *detail: object) -> None:
@@ -998,7 +998,7 @@ class CoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         # Only restores what __init__ patched: every check is a rule's or an invariant's.
         _lazyheap._COMPACT_MIN = self._threshold
-        _core._log = self._saved_log
+        _core._log, _peer_changes._log = self._saved_logs
 
 
 TestCoreMachine = CoreMachine.TestCase

@@ -9,9 +9,18 @@ spins a core. ``transfer_submit_write`` gives one engine id per entry and
 entry the engine accepted has one, however long that takes: only then may
 its blocks be reused.
 
+Budget: the TCP transport queues MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024)
+entries per peer plus MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024) waiting
+ones, and fails the rest. The loop budgets that many entries per peer, each
+from submit until its final status. A waiting entry fails after
+MC_TCP_ADMISSION_TIMEOUT_MS (1 s) if the queue does not drain: that is how a
+frozen peer's large op fails in ~2 s rather than at the engine timeout.
+
 Ownership: every field marked (loop) is read and written by the loop thread
 only. Other threads reach the loop through ``post`` (a new op, or a cancel)
-and ``stop``; verdicts of peer probes come back through a ``PeerCheck``.
+and ``stop``; verdicts of peer probes come back through a ``PeerCheck``. The
+op, the check and the hooks the loop calls on its backend are ``_loop_api``'s
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -19,15 +28,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import structlog
 
 from ._engine import ENGINE_EXIT, keep_forever
-from .backend import TransferOp, TransferPlan
-from .errors import TransferCancelled, TransferError
+from ._loop_api import EngineOp, Hooks, PeerCheck
+from .errors import TransferCancelled
 
 __all__ = ["EngineLoop", "EngineOp", "PeerCheck"]
 
@@ -51,84 +59,6 @@ _STALL_SLEEP_S: Final = 0.02  # ceiling once nothing moved for _RECENT_S (a froz
 _RECENT_S: Final = 0.1
 _STALE_EVERY_S: Final = 0.25  # how often every entry is checked and ops are compared
 # with the engine's own timeout
-
-
-class EngineOp(TransferOp):
-    """A TransferOp as the loop tracks it. Fields (loop) belong to the loop thread.
-
-    Its done and quiesce callbacks run on the loop thread: they must be short
-    and must not block (every transfer of the backend waits meanwhile).
-    """
-
-    __slots__ = (
-        "_loop",
-        "batch",
-        "completed",
-        "entry",
-        "failure",
-        "inflight",
-        "stale_at",
-        "started_at",
-        "stopped",
-    )
-
-    _loop: EngineLoop
-    batch: int  # (loop) next entry to hand over is plan.batches[batch][entry]
-    entry: int  # (loop)
-    inflight: int  # (loop) accepted, no final status yet: the engine may touch the buffers
-    completed: int  # (loop) entries with status 1
-    failure: str | None  # (loop) first engine failure; the op fails once the peer is judged
-    started_at: float  # (loop) monotonic time the engine accepted its first entry; 0.0 before
-    stale_at: float  # (loop) when to ask the peer why no final status came; 0.0 before start
-    stopped: bool  # (loop) no further entries go to the engine
-
-    def __init__(self, plan: TransferPlan, loop: EngineLoop) -> None:
-        super().__init__(plan)
-        self._loop = loop
-        self.batch = self.entry = self.inflight = self.completed = 0
-        self.failure = None
-        self.started_at = self.stale_at = 0.0
-        self.stopped = False
-
-    def cancel(self) -> None:
-        super().cancel()
-        self._loop.post(self)  # the loop resolves it and hands over nothing more
-
-    @property
-    def moved(self) -> bool:
-        """Whether the engine accepted an entry: bytes may have reached the peer."""
-        return self.started_at > 0.0
-
-
-@dataclass(slots=True)
-class PeerCheck:
-    """One bounded liveness probe of a peer, run off the loop thread."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    alive: bool = False  # the verdict, final once done is set
-    verdict: Any = None  # the backend's ProbeVerdict, for its errors
-    rc: int | None = None
-
-
-class Hooks(Protocol):
-    """What the loop needs from its backend."""
-
-    def needs_check(self, peer: str) -> bool:
-        """Whether ``peer`` must be probed before entries go to it (new or dead)."""
-
-    def start_check(self, peer: str, wake: Callable[[], None]) -> PeerCheck:
-        """Probe ``peer`` on another thread; set ``done`` then call ``wake``."""
-
-    def failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
-        """The error of ``op`` (failure or not) given the verdict on its peer."""
-
-    def stopped(self, op: EngineOp) -> TransferError | None:
-        """Why ``op`` must not hand over more entries (cancelled, closed), if so.
-        Once the backend is closing it must answer for every op: ``stop`` only
-        wakes the loop, this decides."""
-
-    def retire(self, op: EngineOp) -> None:
-        """``op`` is quiesced: forget it."""
 
 
 @dataclass(slots=True)

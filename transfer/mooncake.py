@@ -12,30 +12,18 @@ the backend contract:
   accepted has a final status; only then may its blocks be reused. In
   between it is quarantined (``quarantined()``), for as long as the peer
   stays frozen.
-* The engine gives no reason for a failure. It is classified by probing the
-  peer (``FAILURE_CLASS``): a peer that still answers means the engine failed
-  (EngineError, retryable); one that refuses or stays silent is gone --
-  PeerLost when the engine accepted an entry of the plan, PeerUnreachable when
-  it accepted none. A plan succeeds only if every entry ended with status 1.
-* A frozen peer leaves entries without a final status indefinitely. Past the
-  engine's own timeout (MC_TRANSFER_TIMEOUT + 1 ns per byte) the peer is
-  probed and the op fails PeerLost, still quarantined.
-* ``send_probe`` to a frozen peer blocks for about 60 s. Probes run on their
-  own daemon threads, at most one per peer at a time, and are waited for with
-  a bound; a probe that does not answer in time counts as a silent peer.
-  A peer never reached, or found dead, is probed before entries go to it, so
-  the loop never blocks on a handshake and a dead peer fails in milliseconds.
-* The TCP transport queues MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024) entries
-  per peer plus MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (1024) waiting ones,
-  and fails the rest. The loop budgets that many entries per peer, each from
-  submit until its final status. A waiting entry fails after
-  MC_TCP_ADMISSION_TIMEOUT_MS (1 s) if the queue does not drain: that is how
-  a frozen peer's large op fails in ~2 s rather than at the engine timeout.
+* The engine gives no reason for a failure: it is classified by probing the
+  peer, with bounded probes on their own threads (``_liveness``: how, and
+  why; ``FAILURE_CLASS`` and ``ProbeVerdict`` are re-exported here). A plan
+  succeeds only if every entry ended with status 1.
+* The engine queues a bounded number of entries per peer and fails the
+  rest: the loop budgets entries per peer (``_poller``: the limits, and how a
+  frozen peer's large op fails in ~2 s rather than at the engine timeout).
 * Done and quiesce callbacks run on the engine loop thread: keep them short.
 * Over TCP the engine reads unregistered local memory and, on the legacy
   protocol, writes outside the peer's memory without complaint: sources are
-  checked against the registered caches and destinations against the regions
-  the peer advertised (``add_peer``) before anything is sent.
+  checked against the registered caches (``_memory``) and destinations against
+  the regions the peer advertised (``add_peer``) before anything is sent.
 * The engine's glog INFO/WARNING lines are silenced (MC_LOG_LEVEL=ERROR,
   read when the library loads) unless KVGUARD_ENGINE_LOG=1 or MC_LOG_LEVEL
   is set.
@@ -46,12 +34,9 @@ module is, so ``transfer`` imports on hosts without the wheel.
 
 from __future__ import annotations
 
-import enum
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
 import structlog
 
@@ -69,28 +54,20 @@ from ._engine import (
     location,
     make_engine,
 )
-from ._poller import EngineLoop, EngineOp, PeerCheck
-from .backend import (
-    QuarantineTally,
-    TransferBackend,
-    TransferOp,
-    TransferPlan,
-    check_destinations,
-    check_ranges,
-)
+from ._liveness import FAILURE_CLASS, LoopHooks, PeerLiveness, ProbeVerdict
+from ._memory import RegisteredMemory, check_sources, unregister_all
+from ._poller import EngineLoop, EngineOp
+from .backend import QuarantineTally, TransferBackend, TransferOp, TransferPlan, check_destinations
 from .cache import KVCache
 from .errors import (
     BackendClosed,
     Backpressure,
-    EngineError,
     InvalidPlan,
-    PeerLost,
     PeerUnreachable,
     RegistrationError,
     TransferCancelled,
     TransferError,
 )
-from .regions import Region, RegionIndex
 
 __all__ = [
     "DEFAULT_MAX_PEER_ENTRIES",
@@ -106,48 +83,6 @@ __all__ = [
 ]
 
 _log = structlog.get_logger("kvguard.transfer")
-
-
-class ProbeVerdict(enum.Enum):
-    """What a bounded ``send_probe`` says about a peer."""
-
-    ALIVE = "alive"  # returned 0
-    REFUSED = "refused"  # returned an error code: refused, unknown, bad metadata
-    SILENT = "silent"  # no answer within the bound: frozen or partitioned
-
-
-# (probe verdict after a failure, did the engine accept an entry of the plan)
-# -> the error the op fails with. Only a live peer makes a retry useful.
-FAILURE_CLASS: Final[Mapping[tuple[ProbeVerdict, bool], type[TransferError]]] = {
-    (ProbeVerdict.ALIVE, False): EngineError,
-    (ProbeVerdict.ALIVE, True): EngineError,
-    (ProbeVerdict.REFUSED, False): PeerUnreachable,
-    (ProbeVerdict.REFUSED, True): PeerLost,
-    (ProbeVerdict.SILENT, False): PeerUnreachable,
-    (ProbeVerdict.SILENT, True): PeerLost,
-}
-
-
-@dataclass(slots=True)
-class _PeerState:
-    """What this backend has learnt about one peer. Written by probes; each
-    field is a single reference, so a racy read sees an old or a new value."""
-
-    reached: bool = False  # a probe or transfer to it succeeded once
-    dead: ProbeVerdict | None = None  # verdict of the last failed probe; None while believed alive
-
-
-class _ProbeCall:
-    """One in-flight ``send_probe``; every waiter on the same peer shares it."""
-
-    __slots__ = ("done", "rc")
-
-    done: threading.Event  # set once rc is final
-    rc: int
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.rc = -1
 
 
 class MooncakeBackend(TransferBackend):
@@ -174,15 +109,11 @@ class MooncakeBackend(TransferBackend):
     _session_id: str
     _lock: threading.Lock  # guards the fields below marked (L)
     _closed: bool  # (L) once True: submit fails fast, the loop hands over nothing more
-    _caches: dict[int, KVCache]  # (L) id -> registered cache, kept alive while registered
-    _sources: RegionIndex  # (L) registered memory; replaced, never mutated
+    _memory: RegisteredMemory  # (L) the registered caches and the index of their regions
     _live: set[TransferOp]  # (L) submitted and not yet quiesced
-    _probes: dict[str, _ProbeCall]  # (L) at most one send_probe per peer in flight
-    # states are mutated in place; an entry goes only with remove_peer (no op to it left)
-    _peers: dict[str, _PeerState]
+    _liveness: PeerLiveness  # probes (under _lock) and what they learnt of each peer
     _loop: EngineLoop  # the only caller of transfer_submit_write / transfer_check_status
     _max_pending: int
-    _probe_timeout_s: float
     _close_timeout_s: float
 
     def __init__(
@@ -248,18 +179,19 @@ class MooncakeBackend(TransferBackend):
         self._session_id = f"{local_ip}:{self._engine.get_rpc_port()}" if p2p else local_ip
         self._lock = threading.Lock()
         self._closed = False
-        self._caches = {}
-        self._sources = RegionIndex(())
+        self._memory = RegisteredMemory()
         self._live = set()
-        self._probes = {}
-        self._peers = {}
+        self._liveness = PeerLiveness(self._lock, lambda: self._engine, probe_timeout_s)
         self._max_pending = max_pending
-        self._probe_timeout_s = probe_timeout_s
         self._close_timeout_s = close_timeout_s
         if max_peer_entries is not None:
             budget = min(budget, max_peer_entries)
         self._loop = EngineLoop(
-            self._engine, _Hooks(self), budget, timeout_s, f"kvguard-mooncake-{self._session_id}"
+            self._engine,
+            LoopHooks(self._liveness, self._stopped, self._retire),
+            budget,
+            timeout_s,
+            f"kvguard-mooncake-{self._session_id}",
         )
 
     @property
@@ -315,40 +247,17 @@ class MooncakeBackend(TransferBackend):
         where = location(cache.device)
         with self._lock:
             engine = self._open_engine()
-            if id(cache) in self._caches:
+            if cache in self._memory:
                 raise RegistrationError(f"{cache!r} is already registered with {self}")
-            done: list[int] = []
-            for index, region in enumerate(cache.regions()):
-                rc = engine.register_memory(region.base, region.length, where)
-                if rc != 0:
-                    for base in done:  # all or nothing: undo this call's registrations
-                        if (undo := engine.unregister_memory(base)) != 0:
-                            _log.warning("unregister_failed", base=hex(base), rc=code_name(undo))
-                    raise RegistrationError(
-                        f"register_memory of buffer {index} at {region.base:#x} "
-                        f"(+{region.length}, location {where!r}) returned {code_name(rc)}",
-                        code=rc,
-                    )
-                done.append(region.base)
-            self._caches[id(cache)] = cache
-            self._reindex()
+            self._memory.add(engine, cache, where)
 
     def unregister(self, cache: KVCache) -> None:
         """Unregister ``cache``. Refused while an op that reads from it is not quiesced."""
         with self._lock:
             engine = self._open_engine()
-            if id(cache) not in self._caches:
+            if cache not in self._memory:
                 raise RegistrationError(f"{cache!r} is not registered with {self}")
-            regions = cache.regions()
-            busy = sum(1 for op in self._live if _reads_from(op.plan, regions))
-            if busy:
-                raise RegistrationError(
-                    f"{busy} op(s) reading from {cache!r} are not quiesced yet; "
-                    "unregister after they are"
-                )
-            del self._caches[id(cache)]
-            self._reindex()
-            failed = [(r.base, rc) for r in regions if (rc := engine.unregister_memory(r.base))]
+            failed = self._memory.remove(engine, cache, self._live)
         if failed:
             base, rc = failed[0]
             raise RegistrationError(
@@ -356,9 +265,6 @@ class MooncakeBackend(TransferBackend):
                 f"{code_name(rc)}",
                 code=rc,
             )
-
-    def _reindex(self) -> None:  # caller holds _lock
-        self._sources = RegionIndex(r for c in self._caches.values() for r in c.regions())
 
     def _open_engine(self) -> Any:
         if self._closed:
@@ -373,11 +279,11 @@ class MooncakeBackend(TransferBackend):
         if not plan.batches:  # nothing to move is done, and says so at once
             return _finished(TransferOp(plan), None)
         with self._lock:
-            closed, sources = self._closed, self._sources
+            closed, sources = self._closed, self._memory.sources
         if closed:
             return _finished(TransferOp(plan), BackendClosed(f"{self} is closed", peer=plan.peer))
         try:
-            _check_sources(plan, sources, self._session_id)
+            check_sources(plan, sources, self._session_id)
             check_destinations(plan, self.advertised_regions(plan.peer))
         except InvalidPlan as error:
             return _finished(TransferOp(plan), error)
@@ -403,7 +309,7 @@ class MooncakeBackend(TransferBackend):
         raise PeerUnreachable with the probe's code otherwise."""
         if self._closed:
             raise PeerUnreachable(f"{self} is closed", peer=peer)
-        verdict, rc = self._liveness(peer, timeout)
+        verdict, rc = self._liveness.probe(peer, timeout)
         if verdict is not ProbeVerdict.ALIVE:
             raise PeerUnreachable(
                 f"probe of {peer}: {verdict.value} ({code_name(rc)})", peer=peer, code=rc
@@ -437,11 +343,9 @@ class MooncakeBackend(TransferBackend):
             loop.thread.join(self._close_timeout_s)
         with self._lock:
             engine, self._engine = self._engine, None
-            caches = list(self._caches.values())
-            self._caches.clear()
-            self._reindex()
+            caches = self._memory.take_all()
             held = len(self._live)
-            probes = len(self._probes)
+            probes = self._liveness.running()
         # A loop that ended holding ops (interpreter exit, a crash) did not see them quiesce.
         if loop.thread.is_alive() or held or probes:
             keep_forever((engine, caches, loop))
@@ -455,10 +359,7 @@ class MooncakeBackend(TransferBackend):
                 "freeing it could corrupt it, so it is kept until the process exits",
             )
             return
-        for cache in caches:
-            for region in cache.regions():
-                if (rc := engine.unregister_memory(region.base)) != 0:
-                    _log.warning("unregister_failed", base=hex(region.base), rc=code_name(rc))
+        unregister_all(engine, caches)
         if loop.release_engine():
             del engine  # the last reference: the engine is destroyed here, now
 
@@ -466,59 +367,9 @@ class MooncakeBackend(TransferBackend):
         """Forget a peer's regions and what probes learnt of it (a decode that
         churned away); ops already submitted to it run on."""
         super().remove_peer(session_id)
-        self._peers.pop(session_id, None)
+        self._liveness.forget(session_id)
 
     # -- what the engine loop asks ----------------------------------------------------
-
-    def _peer(self, peer: str) -> _PeerState:
-        state = self._peers.get(peer)
-        if state is None:
-            state = self._peers.setdefault(peer, _PeerState())
-        return state
-
-    def _check(self, peer: str, wake: Callable[[], None]) -> PeerCheck:
-        check = PeerCheck()
-
-        def run() -> None:
-            try:
-                verdict, rc = self._liveness(peer)
-                check.verdict, check.rc, check.alive = verdict, rc, verdict is ProbeVerdict.ALIVE
-            except Exception:  # a bug; the peer counts as gone, which fails safe
-                _log.exception("peer_check_raised", peer=peer)
-                check.verdict = ProbeVerdict.REFUSED
-            finally:
-                check.done.set()
-                wake()
-
-        threading.Thread(target=run, name=f"kvguard-check-{peer}", daemon=True).start()
-        return check
-
-    def _failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
-        verdict = check.verdict if isinstance(check.verdict, ProbeVerdict) else ProbeVerdict.REFUSED
-        peer, plan = op.plan.peer, op.plan
-        cls = FAILURE_CLASS[verdict, op.moved]
-        what = op.failure or f"peer {peer} is {verdict.value}"
-        _log.warning(
-            "transfer_failed",
-            peer=peer,
-            failure=what,
-            entries=plan.num_entries,
-            completed=op.completed,
-            with_engine=op.inflight,
-            liveness=verdict.value,
-            probe_rc=check.rc,
-            error=cls.__name__,
-        )
-        sent = (
-            f"{op.completed}/{plan.num_entries} entries done, {op.inflight} still with the engine"
-            if op.moved
-            else "nothing sent"
-        )
-        return cls(
-            f"transfer to {peer}: {what}; {sent}; probe: {verdict.value} ({code_name(check.rc)})",
-            peer=peer,
-            code=check.rc if verdict is ProbeVerdict.REFUSED else None,
-        )
 
     def _stopped(self, op: EngineOp) -> TransferError | None:
         total = op.plan.num_entries
@@ -532,83 +383,8 @@ class MooncakeBackend(TransferBackend):
         with self._lock:
             self._live.discard(op)
 
-    def _liveness(self, peer: str, timeout: float | None = None) -> tuple[ProbeVerdict, int | None]:
-        """Probe ``peer``, waiting at most ``timeout``; record the verdict."""
-        with self._lock:
-            call = self._probes.get(peer)
-            if call is None:
-                engine = self._engine
-                if engine is None:
-                    return ProbeVerdict.REFUSED, None
-                call = self._probes[peer] = _ProbeCall()
-                prober = threading.Thread(
-                    target=self._probe_thread,
-                    args=(engine, peer, call),
-                    name=f"kvguard-probe-{peer}",
-                    daemon=True,
-                )
-                ENGINE_EXIT.track(prober)
-                prober.start()
-        state = self._peer(peer)
-        if not call.done.wait(self._probe_timeout_s if timeout is None else timeout):
-            state.dead = ProbeVerdict.SILENT
-            return ProbeVerdict.SILENT, None
-        if call.rc == 0:
-            state.dead = None
-            state.reached = True
-            return ProbeVerdict.ALIVE, 0
-        state.dead = ProbeVerdict.REFUSED
-        return ProbeVerdict.REFUSED, call.rc
-
-    def _probe_thread(self, engine: Any, peer: str, call: _ProbeCall) -> None:
-        try:
-            if not ENGINE_EXIT.closing:  # past it the call stays -1: refused
-                call.rc = int(engine.send_probe(peer))
-        except Exception:
-            _log.exception("probe_raised", peer=peer)
-        finally:
-            with self._lock:
-                if self._probes.get(peer) is call:
-                    del self._probes[peer]
-            call.done.set()
-
-
-class _Hooks:
-    """The engine loop's view of its backend (``_poller.Hooks``)."""
-
-    __slots__ = ("_b",)
-
-    def __init__(self, backend: MooncakeBackend) -> None:
-        self._b = backend
-
-    def needs_check(self, peer: str) -> bool:
-        state = self._b._peer(peer)
-        return state.dead is not None or not state.reached
-
-    def start_check(self, peer: str, wake: Callable[[], None]) -> PeerCheck:
-        return self._b._check(peer, wake)
-
-    def failed(self, op: EngineOp, check: PeerCheck) -> TransferError:
-        return self._b._failed(op, check)
-
-    def stopped(self, op: EngineOp) -> TransferError | None:
-        return self._b._stopped(op)
-
-    def retire(self, op: EngineOp) -> None:
-        self._b._retire(op)
-
 
 def _finished(op: TransferOp, error: TransferError | None) -> TransferOp:
     op._resolve(error)
     op._quiesce()
     return op
-
-
-def _check_sources(plan: TransferPlan, sources: RegionIndex, session: str) -> None:
-    outside = f"is not in memory registered with {session}"
-    check_ranges(plan, sources, sources=True, error=InvalidPlan, outside=outside)
-
-
-def _reads_from(plan: TransferPlan, regions: tuple[Region, ...]) -> bool:
-    index = RegionIndex(regions)
-    return any(index.contains(addr, 1) for b in plan.batches for addr in b.src)

@@ -1,0 +1,294 @@
+"""The proxy's two legs as aiohttp client calls: each backend with its deadline,
+the errors a leg ends in, and the decode's reply relayed to the client.
+
+``Proxy`` holds what every request shares (the config, the round-robin
+cursors, one client session); ``Leg`` is one backend as one leg sees it. A
+leg's aiohttp error or timeout becomes the client's ``ProxyError``, named
+after the leg and its URL; ``Record`` collects what the request's one log
+event says about each leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from .config import ProxyConfig
+from .protocol import Failure, ProxyError, json_type, upstream_http_error
+
+__all__ = ["ClientGone", "Leg", "Proxy", "Record"]
+
+log = structlog.get_logger("kvguard.proxy")
+
+_SSE: Final = "text/event-stream"
+_EVENT_END: Final = b"\n\n"
+_DONE_EVENT: Final = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One backend as one leg of a request sees it: its URL and its deadline."""
+
+    name: str  # "prefill" | "decode"
+    url: str
+    timeout_s: float
+    connect_s: float
+
+    @property
+    def timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_s)
+
+    def fail(self, failure: Failure, detail: str) -> ProxyError:
+        return ProxyError.of(failure, f"{self.name} {self.url}: {detail}")
+
+    def failure_of(self, exc: BaseException) -> ProxyError:
+        """The client's error for an aiohttp error or timeout of this leg.
+
+        Subclass order matters: a connect timeout is an OSError and a
+        TimeoutError; a refused connection an OSError.
+        """
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            within = min(self.connect_s, self.timeout_s)
+            return self.fail(Failure.TIMEOUT, f"no connection within {within:g} s")
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            return self.fail(
+                Failure.TIMEOUT, f"no complete reply within the {self.timeout_s:g} s deadline"
+            )
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            # errno > 0: the socket's (refused, unreachable); else a resolver's.
+            reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
+            return self.fail(Failure.UNREACHABLE, f"cannot connect ({reason})")
+        if isinstance(
+            exc,
+            (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError),
+        ):
+            return self.fail(
+                Failure.DISCONNECTED, "connection closed before the reply was complete"
+            )
+        return self.fail(Failure.BAD_RESPONSE, f"{type(exc).__name__}: {exc}")
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected while ``response`` streamed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response
+
+
+@dataclass
+class Record:
+    """What a request's one log event says: its outcome and each leg's URL, status, time."""
+
+    request_id: str
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    legs: dict[str, object] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def leg(self, leg: Leg) -> Iterator[None]:
+        self.legs[leg.name] = leg.url
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.legs[f"{leg.name}_s"] = round(time.monotonic() - start, 6)
+
+    def status(self, leg: Leg, status: int) -> None:
+        self.legs[f"{leg.name}_status"] = status
+
+    def emit(self, outcome: str, status: int | None, error: str | None = None) -> None:
+        level = log.info if outcome in ("ok", "client_disconnected") else log.warning
+        extra = {} if error is None else {"error": error}
+        level(
+            "proxy_request",
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            outcome=outcome,
+            status=status,
+            total_s=round(time.monotonic() - self.started, 6),
+            **self.legs,
+            **extra,
+        )
+
+
+class Proxy:
+    """The app's state: the config, round-robin cursors, one client session."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        c = config
+        self.prefills = [
+            Leg("prefill", u, c.prefill_timeout_s, c.connect_timeout_s) for u in c.prefill_urls
+        ]
+        self.decodes = [
+            Leg("decode", u, c.decode_timeout_s, c.connect_timeout_s) for u in c.decode_urls
+        ]
+        # Independent cursors, as in vLLM's toy proxy; /v1/models has its own
+        # so that it does not shift the decodes' rotation.
+        self.next_prefill = itertools.cycle(self.prefills).__next__
+        self.next_decode = itertools.cycle(self.decodes).__next__
+        self.next_models = itertools.cycle(self.decodes).__next__
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the app is not running"
+        return self._session
+
+    async def session_context(self, app: web.Application) -> AsyncIterator[None]:
+        # No connection limit (a queue here would be a hidden deadline) and no
+        # cookies shared between clients.
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+        ) as session:
+            self._session = session
+            yield
+            self._session = None
+
+    @contextlib.asynccontextmanager
+    async def exchange(
+        self, leg: Leg, method: str, path: str, **kwargs: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request to ``leg``; aiohttp errors become the leg's :class:`ProxyError`.
+
+        Whatever ends it early -- an error, the client's disconnect cancelling
+        the handler -- closes the connection instead of pooling it, so the
+        backend sees the abort (vLLM then aborts the request).
+        """
+        try:
+            async with self.session.request(
+                method, leg.url + path, timeout=leg.timeout, **kwargs
+            ) as resp:
+                try:
+                    yield resp
+                except BaseException:
+                    resp.close()
+                    raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
+            raise leg.failure_of(exc) from exc
+
+    async def read_body(self, leg: Leg, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self.config.max_body_bytes
+        too_big = leg.fail(Failure.BAD_RESPONSE, f"reply exceeds {limit} bytes")
+        if resp.content_length is not None and resp.content_length > limit:
+            raise too_big
+        data = bytearray()
+        async for chunk in resp.content.iter_any():
+            data += chunk
+            if len(data) > limit:
+                raise too_big
+        return bytes(data)
+
+    # ==== the two legs ========================================================
+
+    async def prefill(
+        self, leg: Leg, path: str, body: dict[str, Any], headers: Mapping[str, str], rec: Record
+    ) -> dict[str, Any]:
+        """The prefill's ``kv_transfer_params`` for ``body``."""
+        async with self.exchange(leg, "POST", path, json=body, headers=headers) as resp:
+            rec.status(leg, resp.status)
+            data = await self.read_body(leg, resp)
+        if resp.status != 200:
+            raise upstream_http_error(f"{leg.name} {leg.url}", resp.status, data)
+        try:
+            reply = json.loads(data)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise leg.fail(Failure.BAD_RESPONSE, "reply is not a JSON object")
+        params = reply.get("kv_transfer_params")
+        if not params:
+            raise leg.fail(Failure.BAD_RESPONSE, "prefill returned no kv_transfer_params")
+        if not isinstance(params, dict):
+            raise leg.fail(
+                Failure.BAD_RESPONSE,
+                f"prefill returned kv_transfer_params that are not an object: {json_type(params)}",
+            )
+        return params
+
+    async def decode(
+        self,
+        request: web.Request,
+        leg: Leg,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        rec: Record,
+    ) -> tuple[web.StreamResponse, ProxyError | None]:
+        """The decode's reply relayed to the client, and the error that cut it short."""
+        async with self.exchange(leg, "POST", request.path, json=body, headers=headers) as resp:
+            rec.status(leg, resp.status)
+            if resp.status != 200:
+                data = await self.read_body(leg, resp)
+                raise upstream_http_error(f"{leg.name} {leg.url}", resp.status, data)
+            reply_headers = {
+                "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                "X-Request-Id": rec.request_id,
+            }
+            if resp.content_type != _SSE:
+                # One JSON document: read it whole, so a decode that dies
+                # midway is a clean error, not a truncated 200.
+                data = await self.read_body(leg, resp)
+                return web.Response(body=data, headers=reply_headers), None
+            out = web.StreamResponse(headers={**reply_headers, "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            error = await self._relay_events(leg, resp, out)
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
+            return out, error
+
+    async def _relay_events(
+        self, leg: Leg, resp: aiohttp.ClientResponse, out: web.StreamResponse
+    ) -> ProxyError | None:
+        """Forward whole server-sent events; on a decode failure end with an error event.
+
+        Only whole events are forwarded, so the client never sees half an
+        event followed by the error.
+        """
+        limit = self.config.max_body_bytes
+        pending = b""
+        done = False  # the decode sent [DONE]: the stream is complete for the client
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
+                if done:
+                    return None
+                error = leg.failure_of(exc)
+                break
+            if not chunk:  # the decode ended its reply
+                await _write(out, pending)
+                return None
+            pending += chunk
+            cut = pending.rfind(_EVENT_END) + len(_EVENT_END)
+            if cut >= len(_EVENT_END):
+                events, pending = pending[:cut], pending[cut:]
+                done = done or events.endswith(_DONE_EVENT)
+                await _write(out, events)
+            elif len(pending) > limit:
+                error = leg.fail(Failure.BAD_RESPONSE, f"event exceeds {limit} bytes")
+                break
+        resp.close()
+        await _write(out, error.sse_event() + _DONE_EVENT)
+        return error
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> None:
+    if not data:
+        return
+    try:
+        await out.write(data)
+    except ConnectionResetError as exc:  # aiohttp's "cannot write to closing transport"
+        raise ClientGone(out) from exc
