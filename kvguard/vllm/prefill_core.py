@@ -186,7 +186,10 @@ class PrefillCore:
         """Fire what is due: EARLY pushes whose hold never came, holds whose
         deadline passed with nothing in flight; forget idle peers."""
         out: list[PrefillAction] = []
-        for _, rid, load_id in self._timers.pop_due(now):
+        for item in self._timers.pop_due(now):
+            if not self._timer_live(item):
+                continue  # stale since it was popped: a hold's second timer, released by its first
+            _, rid, load_id = item
             if load_id:
                 rec = self._early.get(rid, load_id)
                 if rec is not None:
