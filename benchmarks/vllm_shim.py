@@ -234,6 +234,8 @@ def _wrap(cls: type, name: str, around: Callable[..., Any]) -> None:
 
 
 def _kvguard_connector(mod: ModuleType) -> None:
+    from kvguard.vllm.params import DO_REMOTE_PREFILL, REQUEST_ID
+
     sink = _sink
     assert sink is not None
     cls = mod.KVGuardConnector
@@ -247,8 +249,8 @@ def _kvguard_connector(mod: ModuleType) -> None:
     def update_state_after_alloc(fn: Any, self: Any, request: Any, *args: Any) -> Any:
         params = dict(request.kv_transfer_params or {})
         out = fn(self, request, *args)
-        if params.get("do_remote_prefill"):
-            sink.event("alloc", request=request.request_id, remote=params.get(mod.P_REQUEST))
+        if params.get(DO_REMOTE_PREFILL):
+            sink.event("alloc", request=request.request_id, remote=params.get(REQUEST_ID))
         return out
 
     def get_transfer_results(fn: Any, self: Any, *args: Any) -> Any:

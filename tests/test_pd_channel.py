@@ -84,7 +84,7 @@ def hanging_pair() -> tuple[Pair, FaultInjectingBackend]:
     p = Pair()
     hanging = FaultInjectingBackend(p.backend, FaultPlan.script([FaultKind.HANG]))
     p.sender.close(timeout=2.0)
-    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0", peer_backends=(p.backend,))
+    p.sender = PrefillSender(hanging, p.src, "tcp://127.0.0.1:0")  # it forwards peers
     return p, hanging
 
 

@@ -17,7 +17,7 @@ if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
 
-from kvguard.vllm.connector import _Settings
+from kvguard.vllm.settings import Settings
 from transfer.mooncake import engine_peer_budget
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -29,7 +29,7 @@ _PENDING = "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"
 def test_inflight_defaults_to_the_engines_per_peer_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_QUEUED, raising=False)
     monkeypatch.delenv(_PENDING, raising=False)
-    s = _Settings.of({})
+    s = Settings.of({})
     assert s.max_inflight == 0
     assert s.inflight() == engine_peer_budget() == 1024 + 1024
 
@@ -37,11 +37,11 @@ def test_inflight_defaults_to_the_engines_per_peer_budget(monkeypatch: pytest.Mo
 def test_inflight_default_follows_the_engines_own_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_QUEUED, "100")
     monkeypatch.setenv(_PENDING, "7")
-    assert _Settings.of({}).inflight() == 107
+    assert Settings.of({}).inflight() == 107
 
 
 def test_max_inflight_overrides_the_budget() -> None:
-    s = _Settings.of({"kvguard_max_inflight": "16"})
+    s = Settings.of({"kvguard_max_inflight": "16"})
     assert (s.max_inflight, s.inflight()) == (16, 16)
 
 
@@ -59,15 +59,15 @@ def test_max_inflight_overrides_the_budget() -> None:
 )
 def test_bad_engine_settings_name_the_key_and_value(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError) as info:
-        _Settings.of(extra)
+        Settings.of(extra)
     assert str(info.value) == message
 
 
 _MAKE = """
 import sys
-from kvguard.vllm.connector import _Settings
+from kvguard.vllm.settings import Settings
 extra = {"kvguard_protocol": sys.argv[1]} if len(sys.argv) > 1 else {}
-_Settings.of(extra).make_backend().close()
+Settings.of(extra).make_backend().close()
 """
 
 
@@ -123,7 +123,7 @@ def test_bad_deadline_hold_and_cpu_settings_name_the_value(
     extra: dict[str, object], message: str
 ) -> None:
     with pytest.raises(ValueError) as info:
-        _Settings.of(extra)
+        Settings.of(extra)
     assert str(info.value).startswith(message)
 
 
@@ -136,10 +136,7 @@ def test_a_clients_deadline_is_capped_by_the_server_and_junk_gets_the_default(
 ) -> None:
     """A client's kvguard_deadline_s pins blocks on both engines: the server's
     cap bounds it; what is not a number > 0 gets the server's default."""
-    from types import SimpleNamespace
+    from kvguard.vllm.params import deadline_s
 
-    from kvguard.vllm.connector import KVGuardConnector
-
-    settings = _Settings.of({"kvguard_max_deadline_s": 20})
-    me = SimpleNamespace(settings=settings)
-    assert KVGuardConnector._deadline_s(me, {"kvguard_deadline_s": asked}) == used  # type: ignore[arg-type]
+    s = Settings.of({"kvguard_max_deadline_s": 20})
+    assert deadline_s({"kvguard_deadline_s": asked}, s.deadline_s, s.max_deadline_s) == used

@@ -1,4 +1,4 @@
-"""kvguard's figures in vLLM's stats API and Prometheus (``kvguard.vllm.stats``).
+"""kvguard's figures in vLLM's stats API and Prometheus (``kvguard.vllm.stats*``).
 
 Unit tests drive the stats container, the worker-side sampler and the
 Prometheus class through vLLM's own classes (``KVConnectorLogging``,
@@ -45,13 +45,9 @@ from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.decode_loads import LoadOutcome
 from kvguard.vllm.prefill_pushes import SenderStats
 from kvguard.vllm.states import LoadEnd
-from kvguard.vllm.stats import (
-    GAUGES,
-    KVGuardConnectorStats,
-    KVGuardPromMetrics,
-    PrefillSample,
-    WorkerStats,
-)
+from kvguard.vllm.stats import GAUGES, KVGuardConnectorStats
+from kvguard.vllm.stats_prometheus import KVGuardPromMetrics
+from kvguard.vllm.stats_sampling import PrefillSample, WorkerStats
 from lifecycle import FailureReason
 from transfer import KVLayout
 

@@ -1,5 +1,8 @@
 """The I6 canary's connector: KVGuardConnector with a late prefill and a logging decode.
 
+Its scheduler side (``CanaryScheduler``) logs allocations, its worker side
+(``CanaryWorker``) is the late prefill engine and the fence log.
+
 Loaded by tests/test_vllm_canary.py with ``kv_connector="CanaryKVGuardConnector"``
 and ``kv_connector_module_path="vllm_canary_connector"``. Both roles share the
 directory named by ``KVGUARD_CANARY_DIR`` and append one JSON object per line
@@ -34,6 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvguard.vllm.connector import KVGuardConnector
+from kvguard.vllm.metadata import KVGuardMetadata
+from kvguard.vllm.scheduler_side import KVGuardScheduler
+from kvguard.vllm.worker import KVGuardWorker
 from transfer.backend import TransferOp, TransferPlan
 from transfer.mooncake import MooncakeBackend
 
@@ -45,7 +51,13 @@ if TYPE_CHECKING:
 
     from kvguard.vllm.decode_loads import LoadOutcome
 
-__all__ = ["CanaryKVGuardConnector", "LateMooncakeBackend", "digest_of"]
+__all__ = [
+    "CanaryKVGuardConnector",
+    "CanaryScheduler",
+    "CanaryWorker",
+    "LateMooncakeBackend",
+    "digest_of",
+]
 
 DIR = Path(os.environ.get("KVGUARD_CANARY_DIR", "/nonexistent-canary-dir"))
 
@@ -115,18 +127,8 @@ class LateMooncakeBackend(MooncakeBackend):
         inner.add_quiesce_callback(landed)
 
 
-class CanaryKVGuardConnector(KVGuardConnector):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        settings = self.settings
-        if self.is_producer:
-            settings.make_backend = lambda: LateMooncakeBackend(  # type: ignore[method-assign]
-                settings.host, protocol=settings.protocol, force_tcp=settings.protocol == "tcp"
-            )
-        self._bypassed: set[str] = set()  # decode worker: fenced loads handed back at once
-        self._fenced_now: set[str] = set()  # decode worker: fenced in this call
-
-    # -- decode scheduler: every allocation ------------------------------------
+class CanaryScheduler(KVGuardScheduler):
+    """Decode: logs every block allocation."""
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -136,7 +138,7 @@ class CanaryKVGuardConnector(KVGuardConnector):
             event("alloc", rid=request.request_id, blocks=ids, external=num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVGuardMetadata:
         if not self.is_producer:
             cached = scheduler_output.scheduled_cached_reqs
             for rid, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
@@ -144,10 +146,25 @@ class CanaryKVGuardConnector(KVGuardConnector):
                     event("alloc", rid=rid, blocks=list(new[0]), grown=True)
         return super().build_connector_meta(scheduler_output)
 
-    # -- decode worker: fences -------------------------------------------------
 
-    def _start_worker(self) -> None:
-        super()._start_worker()
+class CanaryWorker(KVGuardWorker):
+    """Prefill: a late engine. Decode: logs fences, and hands them back early when asked."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bypassed: set[str] = set()  # decode: fenced loads handed back at once
+        self._fenced_now: set[str] = set()  # decode: fenced in this call
+
+    def make_backend(self) -> MooncakeBackend:
+        if not self.is_producer:
+            return super().make_backend()
+        s = self.settings
+        return LateMooncakeBackend(s.host, protocol=s.protocol, force_tcp=s.protocol == "tcp")
+
+    # -- decode: fences --------------------------------------------------------
+
+    def _start(self) -> None:
+        super()._start()
         receiver = self.receiver
         if receiver is None:
             return
@@ -209,3 +226,8 @@ class CanaryKVGuardConnector(KVGuardConnector):
             results.failed_recving.discard(rid)
             self._bypassed.discard(rid)
         return results
+
+
+class CanaryKVGuardConnector(KVGuardConnector):
+    scheduler_class = CanaryScheduler
+    worker_class = CanaryWorker

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from kvguard.vllm.connector import KVGuardConnector
+from kvguard.vllm.worker import KVGuardWorker
 
 
-class CorruptingKVGuardConnector(KVGuardConnector):
+class CorruptingWorker(KVGuardWorker):
     def on_loaded(self, request_id: str, blocks: list[int]) -> None:
         if not request_id.startswith("corrupt-") or self.cache is None:
             return
@@ -21,3 +22,7 @@ class CorruptingKVGuardConnector(KVGuardConnector):
                 # Plausible values (the engine serves float32): random bytes
                 # would be NaN or huge and fail in a less telling way.
                 self.cache.block(buffer, block).view(torch.float32).normal_(generator=gen)
+
+
+class CorruptingKVGuardConnector(KVGuardConnector):
+    worker_class = CorruptingWorker

@@ -88,7 +88,7 @@ def main() -> None:
     def usage() -> dict[str, Any]:
         conn = connector()
         holding = sender = None
-        worker = _worker_connector()
+        worker = _side(_worker_connector(), "connector_worker")
         if worker is not None and getattr(worker, "sender", None) is not None:
             holding = worker.sender.holding()
             sender = dataclasses.asdict(worker.sender.stats)
@@ -149,14 +149,14 @@ def main() -> None:
             if not out.finished:
                 continue
             comp = out.outputs[0] if out.outputs else None
-            conn = connector()
+            conn = _side(connector(), "connector_scheduler")
             ext = None
             if conn is not None and hasattr(conn, "external_tokens"):
                 for rid, n in conn.external_tokens.items():
                     if rid == out.request_id or rid.startswith(out.request_id + "-"):
                         ext = n
             load = None  # how the KV load ended on this (decode) side
-            worker = _worker_connector()
+            worker = _side(_worker_connector(), "connector_worker")
             receiver = getattr(worker, "receiver", None)
             if receiver is not None:
                 with receiver._lock:
@@ -178,6 +178,12 @@ def main() -> None:
     emit({"ev": "bye"})
     # Returns: the interpreter finalizes as any program's would, engine
     # threads ended by the transfer library's exit hook (a quit is exit 0).
+
+
+def _side(conn: Any, name: str) -> Any:
+    """A connector's scheduler or worker side (``KVGuardConnector`` builds one
+    by role, as vLLM's own connectors do); a connector without sides itself."""
+    return getattr(conn, name, conn)
 
 
 def _worker_connector() -> Any:

@@ -14,9 +14,11 @@ check drops anything else that is not the answer to the current request.
 Both sides set ``MAXMSGSIZE``: ZeroMQ drops a connection whose frame
 announces more, before buffering it.
 
-Addresses: ``HOST:PORT`` or ``[v6]:PORT`` for TCP (``endpoint_of``), or a
-ZeroMQ URL (``tcp://``, ``ipc://`` -- a filesystem path, reachable across
-network namespaces).
+Addresses: ``HOST:PORT`` or ``[v6]:PORT`` for TCP, or a ZeroMQ URL
+(``tcp://``, ``ipc://`` -- a filesystem path, reachable across network
+namespaces). ``tcp_address`` is kvguard's one parser of TCP endpoints: this
+channel's (``endpoint_of``), a vLLM prefill's control endpoint and its
+ranks' (``kvguard.vllm.protocol``, ``kvguard.vllm.ranks``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,15 @@ from transfer.peer_protocol import (
     peer_info_of,
 )
 
-__all__ = ["ControlClient", "ControlServer", "DecodeClient", "ServiceTimeout", "endpoint_of"]
+__all__ = [
+    "ControlClient",
+    "ControlServer",
+    "DecodeClient",
+    "ServiceTimeout",
+    "endpoint_of",
+    "tcp_address",
+    "tcp_url",
+]
 
 _log = structlog.get_logger("kvguard.control")
 
@@ -73,16 +83,32 @@ class ServiceTimeout(TransferTimeout, TimeoutError):
     """No reply within the deadline: the service is dead, frozen or unreachable."""
 
 
-def endpoint_of(address: str) -> str:
-    """``HOST:PORT`` / ``[v6]:PORT`` -> ``tcp://...``; ZeroMQ URLs pass unchanged."""
-    if address.startswith(("tcp://", "ipc://", "inproc://")):
-        return address
-    host, sep, port = address.rpartition(":")
+def tcp_address(address: str) -> tuple[str, int]:
+    """The one parser of kvguard's TCP endpoints: ``HOST:PORT``, ``[v6]:PORT``,
+    either after ``tcp://`` -> (host, port). ValueError names anything else,
+    another scheme included (``ipc://`` after ``tcp://`` too)."""
+    rest = address.removeprefix("tcp://")
+    if "://" in rest:
+        raise ValueError(f"expected tcp://HOST:PORT or HOST:PORT, got {address!r}")
+    host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {address!r}")
     if ":" in host and not host.startswith("["):
         raise ValueError(f"write an IPv6 address as [ADDR]:PORT, got {address!r}")
-    return f"tcp://{host}:{int(port)}"
+    return host, int(port)
+
+
+def tcp_url(host: str, port: int) -> str:
+    """The ZeroMQ URL of a ``tcp_address``."""
+    return f"tcp://{host}:{port}"
+
+
+def endpoint_of(address: str) -> str:
+    """``HOST:PORT`` / ``[v6]:PORT`` / ``tcp://`` of either -> ``tcp://HOST:PORT``
+    (``tcp_address``); ``ipc://`` and ``inproc://`` URLs pass unchanged."""
+    if address.startswith(("ipc://", "inproc://")):
+        return address
+    return tcp_url(*tcp_address(address))
 
 
 def _socket(kind: int, endpoint: str, max_frame: int) -> zmq.Socket[bytes]:

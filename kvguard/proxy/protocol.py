@@ -28,8 +28,15 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Final
+
+# The kv_transfer_params keys the proxy sets are kvguard.vllm.params' (one
+# module owns every key, and imports no vLLM): what every prefill is asked,
+# the client's keys that reach the prefill (the rest are the proxy's to set),
+# and how many decode requests load one prefill request.
+from kvguard.vllm.params import CLIENT_PREFIX as CLIENT_KV_PREFIX
+from kvguard.vllm.params import LOADS as KV_LOADS
+from kvguard.vllm.params import PREFILL_KV_TRANSFER_PARAMS
 
 __all__ = [
     "CHAT_COMPLETIONS",
@@ -50,24 +57,7 @@ __all__ = [
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 
-# What every prefill is asked: compute the prompt, hold its KV for a remote
-# decode, and say in the reply where to find it.
-PREFILL_KV_TRANSFER_PARAMS: Final[Mapping[str, Any]] = MappingProxyType(
-    {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-)
 PREFILL_DROPPED_FIELDS: Final = ("stream_options", "min_tokens", "min_completion_tokens")
-# The client's kv_transfer_params keys that reach the prefill; the rest are
-# the proxy's to set.
-CLIENT_KV_PREFIX: Final = "kvguard_"
-# How many decode requests load one prefill request (kvguard.vllm reads it).
-KV_LOADS: Final = "kvguard_loads"
 
 
 def parse_client_body(data: bytes) -> dict[str, Any]:

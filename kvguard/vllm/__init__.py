@@ -1,14 +1,27 @@
 """kvguard inside vLLM: a KV connector whose transfers are kvguard requests.
 
-The vLLM-facing class lives in ``kvguard.vllm.connector``; it and
-``stats`` (vLLM's stats and Prometheus classes) are the only modules here
-that import vLLM. Load it with::
+Shaped like vLLM's own connectors (``nixl/``). Load it with::
 
     kv_transfer_config={"kv_connector": "KVGuardConnector",
                         "kv_connector_module_path": "kvguard.vllm.connector", ...}
 
+The modules that import vLLM:
+
+* ``connector``: ``KVGuardConnector``, a thin facade that builds a scheduler
+  side or a worker side by role and hands each of vLLM's hooks to it.
+* ``scheduler_side``: ``KVGuardScheduler``, in the engine core: requests in,
+  one ``metadata.KVGuardMetadata`` per step out (holds, loads, forgets,
+  renews, cancels: typed structs).
+* ``worker``: ``KVGuardWorker``, one per tensor parallel rank: the Mooncake
+  engine, the sender or receiver, what vLLM hears of each transfer.
+* ``stats`` (the payload vLLM carries), ``stats_sampling`` (each step's
+  change, on the worker) and ``stats_prometheus`` (``/metrics``).
+
 The rest is vLLM-free and type-checked with kvguard:
 
+* ``params``: every ``kv_transfer_params`` key, parsed and checked once
+  (the PD proxy imports the keys it sets from it); ``settings``: the
+  ``kvguard_*`` keys of ``kv_connector_extra_config``.
 * ``protocol``: the msgspec messages the two sides exchange over ZeroMQ.
 * ``states``: the hand-off's state machines as tables (a prefill's hold and
   each push of it, a decode's load, its link to a prefill, a request's legs)
@@ -21,8 +34,9 @@ The rest is vLLM-free and type-checked with kvguard:
   after kvguard released every transfer into them (terminal AND quiesced).
 * ``decode_loads``: the decode's driver -- a DEALER per prefill, its
   monitor and probes around ``DecodeCore``.
-* ``ranks``: tensor parallelism -- which KV heads each rank holds, and which
-  prefill ranks write a decode rank's blocks (its *legs*).
+* ``ranks``: tensor parallelism -- which KV heads each rank holds, which
+  prefill ranks write a decode rank's blocks (its *legs*) and where they
+  listen.
 * ``decode_legs``: a decode request's load across its legs -- loaded only
   when every leg loaded, failed only once no leg may still write.
 

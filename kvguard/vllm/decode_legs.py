@@ -27,7 +27,7 @@ from typing import Final
 import structlog
 
 from .actions import LoadOutcome
-from .states import REQUEST, RequestState
+from .states import REQUEST, LoadEnd, RequestState
 
 __all__ = ["DecodeLegs", "Verdict"]
 
@@ -77,6 +77,17 @@ class DecodeLegs:
         for leg in legs:
             self._request[leg] = request_id
         return True
+
+    def refused(
+        self, request_id: str, blocks: Sequence[int], end: LoadEnd, why: str
+    ) -> Verdict | None:
+        """``request_id``'s load cannot start (nothing was asked): failed at
+        once, ``end`` and ``why``; None for an id still loading."""
+        if not self.start(request_id, blocks, [request_id]):
+            return None
+        verdict = self.reported(LoadOutcome(request_id, end, why, 0.0))
+        assert verdict is not None and verdict.final
+        return verdict
 
     def legs(self, request_id: str) -> list[str]:
         """The legs of ``request_id`` not reported yet (to cancel)."""

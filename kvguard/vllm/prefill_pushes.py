@@ -66,7 +66,6 @@ class PrefillSender:
         cache: KVCache,
         bind: str,
         *,
-        peer_backends: Sequence[TransferBackend] = (),
         workers: int = 4,
         retry: RetryPolicy | None = None,
         compat: str = "",
@@ -76,7 +75,8 @@ class PrefillSender:
         head_major: bool = False,
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
-        faults); ``peer_backends`` also learn each decode's regions. ``compat``:
+        faults: a wrapper forwards each decode's regions to what it wraps);
+        kvguard's ``Scheduler`` alone tells it about decodes. ``compat``:
         this side's KV layout fingerprint; a push with another is refused. A
         decode's ``Renew`` extends a hold to ``renew_s`` from then, and never
         past ``max_hold_s`` after the hold began (blocks pinned by a decode
@@ -91,7 +91,6 @@ class PrefillSender:
             head_major=head_major,
             block_bytes=cache.layout.block_bytes,
         )
-        self._peer_backends = tuple(peer_backends)
         self._sched = Scheduler(
             backend, cache, workers=workers, retry=retry, default_deadline_s=30.0
         )
@@ -183,7 +182,7 @@ class PrefillSender:
 
     def _turn(self) -> None:
         core, sock = self._core, self._sock
-        released: list[str] = []
+        later: list[Release | Reply] = []  # once the turn's stats are published
         ready = sock.poll(_POLL_MS, zmq.POLLIN)
         # The engine's holds first: a decode's word read in the same turn
         # may be about them (the engine tells the worker a step late).
@@ -195,25 +194,32 @@ class PrefillSender:
             now = time.monotonic()
             if len(item) == 3:
                 rid, blocks, deadline = item
-                self._apply(core.hold(rid, blocks, deadline, now), released)
+                self._apply(core.hold(rid, blocks, deadline, now), later)
             else:
                 rid, load_id, end, detail = item
-                self._apply(core.released(rid, load_id, end, detail, now), released)
+                self._apply(core.released(rid, load_id, end, detail, now), later)
         while ready:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
-            self._apply(self._receive(frames), released)
+            self._apply(self._receive(frames), later)
         now = time.monotonic()
         wake = core.next_wake()
         if wake is not None and wake <= now:
-            self._apply(core.step(now), released)
-        with self._lock:  # stats first: a released id's counts are in them
+            self._apply(core.step(now), later)
+        # Stats first: whoever hears of a release or an answer finds it counted.
+        with self._lock:
             self._stats = replace(core.stats, by_reason=dict(core.stats.by_reason))
             self._holding, self._held_blocks = core.holding(), core.held_blocks()
             self._peers = core.peers()
-            self._released.update(released)
+            self._released.update(a.request_id for a in later if isinstance(a, Release))
+        for act in later:
+            if isinstance(act, Reply):
+                try:
+                    self._sock.send_multipart([act.ident, encode(act.result)], flags=zmq.NOBLOCK)
+                except zmq.ZMQError as exc:  # the decode is gone or not reading
+                    _log.info("result_undeliverable", error=str(exc))
 
     def _receive(self, frames: list[bytes]) -> list[PrefillAction]:
         if len(frames) != 2:
@@ -227,17 +233,15 @@ class PrefillSender:
             return self._core.malformed(ident, ids_of(body), truncate(str(exc)))
         return self._core.receive(ident, msg, time.monotonic(), time.time())
 
-    def _apply(self, actions: list[PrefillAction], released: list[str]) -> None:
-        """Carry out the core's actions, and those their outcomes bring."""
+    def _apply(self, actions: list[PrefillAction], later: list[Release | Reply]) -> None:
+        """Carry out the core's actions, and those their outcomes bring;
+        releases and answers wait in ``later`` for the turn's end."""
         todo = list(reversed(actions))
         while todo:
             act = todo.pop()
             more: list[PrefillAction] = []
-            if isinstance(act, Reply):
-                try:
-                    self._sock.send_multipart([act.ident, encode(act.result)], flags=zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # the decode is gone or not reading
-                    _log.info("result_undeliverable", error=str(exc))
+            if isinstance(act, Release | Reply):
+                later.append(act)
             elif isinstance(act, Submit):
                 more = self._submit(act)
             elif isinstance(act, AbortTransfer):
@@ -245,20 +249,14 @@ class PrefillSender:
                     self._sched.abort(act.transfer)
                 except Exception as exc:  # released meanwhile: answered already
                     _log.debug("abort_unknown", transfer=act.transfer, error=repr(exc))
-            elif isinstance(act, Release):
-                released.append(act.request_id)
             elif isinstance(act, ForgetPeer):  # nothing in flight to it
-                self._sched.remove_peer(act.session)
-                for b in self._peer_backends:
-                    b.remove_peer(act.session)
+                self._sched.remove_peer(act.session)  # and from the backend
             todo.extend(reversed(more))
 
     def _submit(self, act: Submit) -> list[PrefillAction]:
         try:
             if act.new_peer:
-                for b in self._peer_backends:
-                    b.add_peer(act.peer)
-                self._sched.add_peer(act.peer)
+                self._sched.add_peer(act.peer)  # the backend first, then the core
             self._sched.submit(
                 act.transfer,
                 act.src,

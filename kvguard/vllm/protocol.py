@@ -25,7 +25,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from kvguard.decode.control import endpoint_of
+from kvguard.decode.control import tcp_address, tcp_url
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import MAX_LIST_LEN, PeerMessage
 
@@ -91,10 +91,14 @@ class Push(_Message, frozen=True, tag="push"):
 class Abort(_Message, frozen=True, tag="abort"):
     """The decode gave up ``load_id`` of ``request_id`` (answered by a
     ``Result`` once nothing writes its blocks), or with ``load_id`` empty,
-    will never load ``request_id`` (not answered)."""
+    one decode request of ``request_id``'s group will never load it (not
+    answered). ``group``: the group's size as the decode knows it (the
+    client's n), so a forget read before any push does not end a hold that
+    the group's other requests will still load."""
 
     request_id: _RequestId
     load_id: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
+    group: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST_LEN)] = 1
 
 
 class Renew(_Message, frozen=True, tag="renew"):
@@ -177,13 +181,10 @@ def check(msg: Push | Abort | Renew) -> None:
 
 def prefill_url(endpoint: str) -> str:
     """A prefill's control endpoint from a request's parameters (untrusted):
-    ``tcp://HOST:PORT`` or ``HOST:PORT`` only; ValueError names anything else
-    (an ``inproc://`` or ``ipc://`` link would never report a drop, so its
-    loads could stay fenced for good)."""
-    rest = endpoint.removeprefix("tcp://")
-    if "://" in rest:
-        raise ValueError(f"expected tcp://HOST:PORT or HOST:PORT, got {endpoint!r}")
-    return endpoint_of(rest)
+    ``tcp://HOST:PORT`` or ``HOST:PORT`` only, parsed by ``tcp_address``;
+    ValueError names anything else (an ``inproc://`` or ``ipc://`` link would
+    never report a drop, so its loads could stay fenced for good)."""
+    return tcp_url(*tcp_address(endpoint))
 
 
 def truncate(text: str, limit: int = 1024) -> str:

@@ -1,4 +1,4 @@
-"""Tensor parallel ranks: which KV heads each rank holds, and who writes whose.
+"""Tensor parallel ranks: which KV heads each rank holds, who writes whose, and where.
 
 With tensor parallelism every worker rank holds an equal, contiguous share
 of every layer's KV heads (vLLM's split: rank r of size t holds heads
@@ -12,6 +12,10 @@ such rank, each writing the overlap into the same decode blocks.
 * prefill 1, decode 2: each decode rank has one leg to prefill rank 0, which
   is asked twice per request (``fan_in`` 2) and writes a half each time.
 
+``Pairing`` turns a decode load's ``Source`` (rank 0's endpoint, the
+prefill's size) into its legs, each with its prefill rank's endpoint
+(``rank_endpoint``: rank 0's port + rank).
+
 A slice of a block is contiguous only where heads are outermost inside it
 (vLLM's ``LBHNC`` layout, the CPU backend's); other layouts pair equal sizes
 only. A size that does not divide the head count pairs equal sizes only
@@ -22,9 +26,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvguard.decode.control import tcp_address, tcp_url
 from transfer.plan import BlockSlice
 
-__all__ = ["Leg", "RankHeads", "block_slice", "legs", "rank_endpoint"]
+from .params import Source
+
+__all__ = [
+    "BadEndpoint",
+    "Leg",
+    "LegAsk",
+    "Pairing",
+    "RankHeads",
+    "block_slice",
+    "legs",
+    "rank_endpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -126,8 +142,91 @@ def _overlap(a: RankHeads, b: RankHeads) -> tuple[int, int]:
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
-    """Rank ``rank``'s control endpoint: ``tcp://host:port`` is rank 0's."""
-    head, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) + rank < 65536:
-        raise ValueError(f"not a tcp://host:port endpoint for rank {rank}: {endpoint!r}")
-    return f"{head}:{int(port) + rank}"
+    """Rank ``rank``'s control endpoint, ``tcp://HOST:PORT``: rank 0's is
+    ``endpoint`` (``tcp://HOST:PORT`` or ``HOST:PORT``, parsed by
+    ``kvguard.decode.control.tcp_address``), rank r's its port + r."""
+    try:
+        host, port = tcp_address(endpoint)
+        if not 0 < port + rank < 65536:
+            raise ValueError(port + rank)
+    except ValueError:
+        raise ValueError(f"not a tcp://host:port endpoint for rank {rank}: {endpoint!r}") from None
+    return tcp_url(host, port + rank)
+
+
+class BadEndpoint(ValueError):
+    """No rank endpoint can be made of a prefill's (``rank_endpoint``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LegAsk:
+    """One leg of a decode request's load, as the receiver asks it."""
+
+    leg_id: str  # the request's own id for a lone leg, else request#rank.prefill_rank
+    url: str  # the prefill rank's control endpoint
+    fan_in: int  # decode ranks that ask this prefill rank for the same request
+
+
+class Pairing:
+    """A decode rank against prefills of any tensor parallel size: the legs
+    of each load and the prefill ranks' endpoints. The one place where a
+    load's ``Source`` becomes ranks and addresses."""
+
+    def __init__(self, me: RankHeads, head_major: bool) -> None:
+        self.me = me
+        self.head_major = head_major
+        self._legs: dict[int, list[Leg] | ValueError] = {}  # prefill TP size -> legs, or why not
+
+    def legs(self, source: Source) -> list[Leg]:
+        """``source``'s legs on this rank; ValueError says why the sizes cannot pair."""
+        if source.problem:
+            raise ValueError(source.problem)
+        size = source.tp_size
+        if size not in self._legs:
+            try:
+                self._legs[size] = legs(self.me, size, self.head_major)
+            except ValueError as exc:
+                self._legs[size] = exc
+        got = self._legs[size]
+        if isinstance(got, ValueError):
+            raise got
+        return got
+
+    def asks(self, request_id: str, source: Source) -> list[LegAsk]:
+        """The legs of ``request_id``'s load from ``source``: the request's
+        own id when it has one leg that no other decode rank shares, else one
+        id per leg (a prefill rank keeps one answer per load id).
+        BadEndpoint when no rank endpoint can be made of ``source``'s,
+        ValueError when the sizes cannot pair; either names why."""
+        plan = self.legs(source)
+        single = len(plan) == 1 and plan[0].fan_in == 1
+        out = []
+        for leg in plan:
+            try:
+                url = rank_endpoint(source.endpoint, leg.prefill_rank)
+            except ValueError as exc:
+                raise BadEndpoint(str(exc)) from None
+            leg_id = request_id if single else f"{request_id}#{self.me.rank}.{leg.prefill_rank}"
+            out.append(LegAsk(leg_id, url, leg.fan_in))
+        return out
+
+    def urls(self, source: Source) -> list[str]:
+        """The endpoints of the prefill ranks this rank loads ``source`` from
+        (to renew it); see ``ranks_of``."""
+        return [url for url, _ in self.ranks_of(source)]
+
+    def ranks_of(self, source: Source) -> list[tuple[str, int]]:
+        """(endpoint, fan-in) of each prefill rank this rank loads ``source``
+        from (to renew or forget it); none where the sizes cannot pair, and
+        none for a rank whose endpoint cannot be made (its load failed naming it)."""
+        try:
+            plan = self.legs(source)
+        except ValueError:
+            return []
+        out = []
+        for leg in plan:
+            try:
+                out.append((rank_endpoint(source.endpoint, leg.prefill_rank), leg.fan_in))
+            except ValueError:
+                continue
+        return out

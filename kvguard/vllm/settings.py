@@ -1,0 +1,92 @@
+"""The connector's settings: the ``kvguard_*`` keys of ``kv_connector_extra_config``.
+
+Both sides of the connector (scheduler and worker, prefill and decode) read
+the same settings from vLLM's ``kv_transfer_config``; ``Settings.of`` checks
+them once, at start, and a bad one raises ValueError naming the key and
+value. docs/vllm.md's "Settings" table describes each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from transfer.affinity import parse_cpus
+from transfer.mooncake import MooncakeBackend, engine_peer_budget
+
+__all__ = ["Settings"]
+
+_PREFIX: Final = "kvguard_"
+_PROTOCOLS: Final = ("tcp", "rdma")  # what kvguard's backend is built and documented for
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"  # advertised to peers: Mooncake session and control endpoint
+    control_port: int = 17600  # prefill only: where decodes connect
+    deadline_s: float = 10.0  # per request unless kv_transfer_params say otherwise
+    max_deadline_s: float = 60.0  # the most a client's kvguard_deadline_s may ask for
+    # prefill: how long finished blocks wait for a decode to ask, renewed by a
+    # decode whose request queues, never past max_hold_s in all.
+    hold_s: float = 30.0
+    max_hold_s: float = 300.0
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    # prefill: kvguard transfers in flight at once; 0 follows the engine's own
+    # per-peer entry budget (every transfer is at least one entry, and the
+    # backend's engine loop holds entries beyond that budget back itself).
+    max_inflight: int = 0
+    protocol: str = "tcp"  # Mooncake's transport: "rdma" where a NIC exists
+    max_attempts: int = 3  # kvguard's bounded retries of retryable transfer errors
+    fault_rate: float = 0.0  # testing: inject faults into kvguard's backend
+    fault_seed: int = 0
+    fault_kinds: tuple[str, ...] = ("error_code", "raise", "fail_batch")
+    fault_rank: int = -1  # the tensor parallel rank that injects them; -1: every rank
+    # CPUs for kvguard's, ZeroMQ's and Mooncake's threads in the worker: ""
+    # every CPU of the process (vLLM pins the worker's thread to one core),
+    # a list ("0-3,6"), or "inherit" (the worker thread's own mask).
+    cpus: str = ""
+
+    @classmethod
+    def of(cls, extra: dict[str, Any]) -> Settings:
+        s = cls()
+        for key, value in extra.items():
+            if not key.startswith(_PREFIX):
+                continue
+            name = key[len(_PREFIX) :]
+            if not hasattr(s, name):
+                raise ValueError(f"unknown kvguard setting {key!r}")
+            default = getattr(s, name)
+            setattr(s, name, tuple(value) if isinstance(default, tuple) else type(default)(value))
+        if not 0 < s.deadline_s <= s.max_deadline_s:
+            raise ValueError(
+                f"kvguard_deadline_s must be > 0 and <= kvguard_max_deadline_s "
+                f"({s.max_deadline_s}), got {s.deadline_s}"
+            )
+        if s.max_inflight < 0:
+            raise ValueError(f"kvguard_max_inflight must be >= 0, got {s.max_inflight}")
+        if s.protocol not in _PROTOCOLS:
+            raise ValueError(f"kvguard_protocol must be one of {_PROTOCOLS}, got {s.protocol!r}")
+        if not 0 < s.hold_s <= s.max_hold_s:
+            raise ValueError(
+                f"kvguard_hold_s must be > 0 and <= kvguard_max_hold_s ({s.max_hold_s}), "
+                f"got {s.hold_s}"
+            )
+        try:
+            parse_cpus(s.cpus)
+        except ValueError as exc:
+            raise ValueError(f"kvguard_cpus: {exc}") from None
+        return s
+
+    @property
+    def endpoint(self) -> str:
+        """The control endpoint a prefill tells decodes: its rank 0's."""
+        return f"tcp://{self.host}:{self.control_port}"
+
+    def inflight(self) -> int:
+        """Prefill: kvguard transfers in flight at once."""
+        return self.max_inflight or engine_peer_budget()
+
+    def make_backend(self) -> MooncakeBackend:
+        # MC_FORCE_TCP would override the protocol: set it only when TCP is asked for.
+        return MooncakeBackend(self.host, protocol=self.protocol, force_tcp=self.protocol == "tcp")

@@ -1,0 +1,114 @@
+"""The connector's ``kv_transfer_params`` (``kvguard.vllm.params``) and the
+addresses a load's legs go to (``kvguard.vllm.ranks.Pairing``): no vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvguard.decode.control import tcp_address
+from kvguard.proxy import protocol as proxy
+from kvguard.vllm import params
+from kvguard.vllm.params import LoadAsk, Source, load_ask, prefill_reply, wants_hold, wants_load
+from kvguard.vllm.ranks import BadEndpoint, LegAsk, Pairing, RankHeads
+
+EP = "tcp://10.0.0.1:17600"
+LIMITS = {"deadline": 10.0, "max_deadline": 60.0, "hold": 30.0}
+
+
+def reply(**over: object) -> dict[str, object]:
+    out = prefill_reply(endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2)
+    out.update(over)
+    return out
+
+
+def test_what_the_prefill_returns_is_what_the_decode_reads() -> None:
+    got = reply()
+    assert wants_load(got) and not wants_hold(got)
+    assert load_ask(got, **LIMITS) == LoadAsk(Source(EP, "p1", 2), 5.0, 10.0, 0)
+    params.loading_started(got)
+    assert not wants_load(got)  # one load per request
+
+
+def test_the_proxy_sets_the_keys_this_module_owns() -> None:
+    assert proxy.KV_LOADS == params.LOADS == "kvguard_loads"
+    assert proxy.PREFILL_KV_TRANSFER_PARAMS is params.PREFILL_KV_TRANSFER_PARAMS
+    assert wants_hold(params.PREFILL_KV_TRANSFER_PARAMS)
+    body = proxy.decode_request({"n": 3}, reply())
+    assert load_ask(body["kv_transfer_params"], **LIMITS).declared == 3
+
+
+@pytest.mark.parametrize(
+    ("asked", "used"),
+    [(5, 5.0), ("7.5", 7.5), (600, 60.0), (0, 10.0), (-3, 10.0), ("soon", 10.0), (None, 10.0)],
+)
+def test_a_clients_deadline_is_capped_and_junk_gets_the_default(asked: object, used: float) -> None:
+    assert load_ask(reply(kvguard_deadline_s=asked), **LIMITS).deadline_s == used
+
+
+@pytest.mark.parametrize(
+    ("hold", "every"), [(30, 10.0), ("x", 10.0), (float("nan"), 10.0), (0, 0.1), (-1, 0.1)]
+)
+def test_a_queued_request_renews_every_third_of_the_hold(hold: object, every: float) -> None:
+    assert load_ask(reply(kvguard_hold_s=hold), **LIMITS).renew_s == every
+
+
+@pytest.mark.parametrize("tp", [0, -1, 1025, 2.0, "2", True, None])
+def test_a_bad_tp_size_is_the_sources_problem_naming_key_and_value(tp: object) -> None:
+    source = load_ask(reply(kvguard_tp_size=tp), **LIMITS).source
+    assert (source.tp_size, source.key) == (0, (EP, "p1"))
+    assert source.problem == (
+        f"kvguard_tp_size from the prefill must be an int in [1, 1024], got {tp!r}"
+    )
+    with pytest.raises(ValueError, match="kvguard_tp_size"):
+        Pairing(RankHeads(0, 1, 4), head_major=True).asks("d", source)
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_a_bad_declared_size_is_logged_naming_key_and_value() -> None:
+    with capture_logs() as logs:
+        assert load_ask(reply(kvguard_loads="3"), **LIMITS).declared == 0
+    assert logs == [
+        {
+            "event": "kv_loads_ignored",
+            "key": "kvguard_loads",
+            "value": "'3'",
+            "want": "int in [1, 1024]",
+            "log_level": "warning",
+        }
+    ]
+
+
+def test_a_load_is_asked_of_each_prefill_rank_at_its_own_port() -> None:
+    two = Source(EP, "p1", 2)
+    pairing = Pairing(RankHeads(0, 1, 4), head_major=True)
+    assert pairing.asks("d", two) == [
+        LegAsk("d#0.0", "tcp://10.0.0.1:17600", 1),
+        LegAsk("d#0.1", "tcp://10.0.0.1:17601", 1),
+    ]
+    # One leg no other decode rank shares: named as the request itself.
+    assert pairing.asks("d", Source("10.0.0.1:17600", "p1", 1)) == [
+        LegAsk("d", "tcp://10.0.0.1:17600", 1)
+    ]
+    # Prefill 1, decode 2: both decode ranks ask prefill rank 0.
+    assert Pairing(RankHeads(1, 2, 4), head_major=True).asks("d", Source(EP, "p1", 1)) == [
+        LegAsk("d#1.0", EP, 2)
+    ]
+    assert pairing.urls(two) == ["tcp://10.0.0.1:17600", "tcp://10.0.0.1:17601"]
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["ipc:///tmp/p", "inproc://p", "tcp://ipc://x", "tcp://h:x", "h", "::1:7000"]
+)
+def test_an_endpoint_the_one_parser_refuses_fails_the_load_naming_it(endpoint: str) -> None:
+    with pytest.raises(ValueError):
+        tcp_address(endpoint)
+    pairing = Pairing(RankHeads(0, 1, 4), head_major=True)
+    with pytest.raises(BadEndpoint, match="not a tcp://host:port endpoint for rank 0"):
+        pairing.asks("d", Source(endpoint, "p1", 1))
+    assert pairing.urls(Source(endpoint, "p1", 1)) == []
+
+
+def test_sizes_that_cannot_pair_name_both() -> None:
+    with pytest.raises(ValueError, match="prefill tensor parallel size 2 and decode size 1"):
+        Pairing(RankHeads(0, 1, 4), head_major=False).asks("d", Source(EP, "p1", 2))
