@@ -465,3 +465,21 @@ def test_a_result_for_another_link_or_request_marks_nothing() -> None:
     assert unknown == [
         Report(LoadOutcome("d", LoadEnd.PREFILL_ERROR, "from the future: x", 100.2 - 100.0))
     ]
+
+
+def test_a_forget_that_declares_its_group_does_not_end_the_hold_its_siblings_load() -> None:
+    """A declared group's first request leaves before any sibling pushed:
+    its forget names the group, so the hold waits for the others."""
+    core = held()
+    assert core.receive(D, Abort("r", group=2), 100.0, 100.0) == []
+    assert core.holding() == 1
+    assert len(core.receive(D, push(load="b"), 100.5, 100.5)) == 1
+    assert core.released("r", "b", LoadEnd.LOADED, "", 101.0) == [
+        answer("r", "b", LoadEnd.LOADED),
+        Release("r"),
+    ]
+    early = PrefillCore(block_bytes=LAYOUT.block_bytes)
+    early.receive(D, Abort("r", group=3), 100.0, 100.0)
+    early.receive(D, Abort("r", group=2), 100.0, 100.0)
+    assert early.hold("r", [1], 130.0, 101.0) == []  # two of three said so
+    assert early.receive(D, Abort("r"), 101.5, 101.5) == [Release("r")]

@@ -33,6 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from kvguard.vllm.connector import KVGuardConnector, KVGuardMetadata
+from kvguard.vllm.metadata import ForgetMeta
+from kvguard.vllm.params import Source
 
 pytestmark = [pytest.mark.vllm]
 
@@ -82,6 +84,12 @@ def step(c: KVGuardConnector) -> KVGuardMetadata:
     return meta
 
 
+def groups(c: KVGuardConnector) -> dict[tuple[str, str], Any]:
+    """The scheduler side's load groups, by prefill request."""
+    assert c.connector_scheduler is not None
+    return c.connector_scheduler._groups
+
+
 def finish(c: KVGuardConnector, req: Any) -> None:
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert c.request_finished(req, []) == (False, None)
@@ -99,16 +107,16 @@ def test_children_allocated_steps_apart_each_carry_the_whole_group(
     for i, child in enumerate(children[1:], start=1):
         allocate(c, child, 2 * i + 1, 2 * i + 2)
     rest = step(c)
-    got = [(rid, ids, ep, remote, group) for rid, ids, ep, remote, _, group, _ in first.loads]
-    assert got == [("0_cmpl-a", [1, 2], ENDPOINT, "prefill-a", 4)]
-    assert [(load[0], load[5]) for load in rest.loads] == [
+    got = [(m.request_id, m.block_ids, m.source, m.group) for m in first.loads]
+    assert got == [("0_cmpl-a", [1, 2], Source(ENDPOINT, "prefill-a", 1), 4)]
+    assert [(load.request_id, load.group) for load in rest.loads] == [
         ("1_cmpl-a", 4),
         ("2_cmpl-a", 4),
         ("3_cmpl-a", 4),
     ]
     for child in children:
         finish(c, child)
-    assert c._groups == {}, "finished groups must not stay behind"
+    assert groups(c) == {}, "finished groups must not stay behind"
 
 
 def test_a_later_request_for_the_same_prefill_request_is_a_group_of_its_own(
@@ -120,13 +128,13 @@ def test_a_later_request_for_the_same_prefill_request_is_a_group_of_its_own(
     one, two = request("cmpl-b1", "prefill-b"), request("cmpl-b2", "prefill-b")
     c.on_new_request(one)
     allocate(c, one, 7)
-    assert [load[5] for load in step(c).loads] == [1]
+    assert [load.group for load in step(c).loads] == [1]
     finish(c, one)
     c.on_new_request(two)
     allocate(c, two, 8)
-    assert [(load[0], load[5]) for load in step(c).loads] == [("cmpl-b2", 1)]
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("cmpl-b2", 1)]
     finish(c, two)
-    assert c._groups == {}
+    assert groups(c) == {}
 
 
 def test_a_child_aborted_before_any_push_shrinks_the_group_it_never_joins(
@@ -142,9 +150,9 @@ def test_a_child_aborted_before_any_push_shrinks_the_group_it_never_joins(
     meta = step(c)
     # Nothing was pushed yet: the prefill need not hear of it, the push says 1.
     assert meta.forgets == []
-    assert [(load[0], load[5]) for load in meta.loads] == [("0_cmpl-c", 1)]
+    assert [(load.request_id, load.group) for load in meta.loads] == [("0_cmpl-c", 1)]
     finish(c, kept)
-    assert c._groups == {}
+    assert groups(c) == {}
 
 
 def test_a_child_aborted_after_a_sibling_pushed_is_forgotten_at_the_prefill(
@@ -158,13 +166,13 @@ def test_a_child_aborted_after_a_sibling_pushed_is_forgotten_at_the_prefill(
     c.on_new_request(dropped)
     allocate(c, pushed, 4)
     first = step(c)
-    assert [(load[0], load[5]) for load in first.loads] == [("0_cmpl-d", 2)]
+    assert [(load.request_id, load.group) for load in first.loads] == [("0_cmpl-d", 2)]
     assert first.forgets == []
     dropped.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(dropped, []) == (False, None)
-    assert step(c).forgets == [(ENDPOINT, "prefill-d", 1)]
+    assert step(c).forgets == [ForgetMeta(Source(ENDPOINT, "prefill-d", 1), 2)]
     finish(c, pushed)
-    assert c._groups == {}
+    assert groups(c) == {}
 
 
 def test_a_lone_request_aborted_before_allocation_is_forgotten_at_once(
@@ -176,8 +184,8 @@ def test_a_lone_request_aborted_before_allocation_is_forgotten_at_once(
     alone.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(alone, []) == (False, None)
     meta = step(c)
-    assert (meta.forgets, meta.loads) == ([(ENDPOINT, "prefill-e", 1)], [])
-    assert c._groups == {}
+    assert (meta.forgets, meta.loads) == ([ForgetMeta(Source(ENDPOINT, "prefill-e", 1), 1)], [])
+    assert groups(c) == {}
 
 
 def test_a_declared_group_counts_children_not_yet_arrived(connector: KVGuardConnector) -> None:
@@ -188,14 +196,34 @@ def test_a_declared_group_counts_children_not_yet_arrived(connector: KVGuardConn
     first, second = request("0_cmpl-f", "prefill-f", 2), request("1_cmpl-f", "prefill-f", 2)
     c.on_new_request(first)
     allocate(c, first, 1)
-    assert [(load[0], load[5]) for load in step(c).loads] == [("0_cmpl-f", 2)]
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("0_cmpl-f", 2)]
     finish(c, first)  # even its group ended before the sibling arrived
-    assert c._groups == {}
+    assert groups(c) == {}
     c.on_new_request(second)
     allocate(c, second, 2)
-    assert [(load[0], load[5]) for load in step(c).loads] == [("1_cmpl-f", 2)]
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("1_cmpl-f", 2)]
     finish(c, second)
-    assert c._groups == {}
+    assert groups(c) == {}
+
+
+def test_a_declared_childs_forget_before_any_sibling_arrived_names_the_group(
+    connector: KVGuardConnector,
+) -> None:
+    """Found by the hand-off simulation: the first child of a declared n = 2
+    leaves before its sibling arrived. Its forget must say 2, or the
+    prefill (having heard no push) ends its hold on it, and the sibling's
+    push gets ``unknown_request``."""
+    c = connector
+    first, second = request("0_cmpl-k", "prefill-k", 2), request("1_cmpl-k", "prefill-k", 2)
+    c.on_new_request(first)
+    first.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(first, []) == (False, None)
+    assert step(c).forgets == [ForgetMeta(Source(ENDPOINT, "prefill-k", 1), 2)]
+    c.on_new_request(second)
+    allocate(c, second, 2)
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("1_cmpl-k", 2)]
+    finish(c, second)
+    assert groups(c) == {}
 
 
 def test_a_declared_child_that_leaves_before_any_push_shrinks_the_group(
@@ -211,12 +239,12 @@ def test_a_declared_child_that_leaves_before_any_push_shrinks_the_group(
     allocate(c, kids[1], 5)
     meta = step(c)
     assert meta.forgets == []
-    assert [(load[0], load[5]) for load in meta.loads] == [("1_cmpl-g", 2)]
+    assert [(load.request_id, load.group) for load in meta.loads] == [("1_cmpl-g", 2)]
     allocate(c, kids[2], 6)
-    assert [(load[0], load[5]) for load in step(c).loads] == [("2_cmpl-g", 2)]
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("2_cmpl-g", 2)]
     for kid in kids[1:]:
         finish(c, kid)
-    assert c._groups == {}
+    assert groups(c) == {}
 
 
 @pytest.mark.usefixtures("all_levels")
@@ -230,12 +258,13 @@ def test_a_bad_declared_size_is_ignored_by_name_and_the_load_goes_on(
     with capture_logs() as logs:
         c.on_new_request(req)
         allocate(c, req, 9)
-    assert [(load[0], load[5]) for load in step(c).loads] == [("cmpl-h", 1)]
+    assert [(load.request_id, load.group) for load in step(c).loads] == [("cmpl-h", 1)]
     finish(c, req)
-    assert c._groups == {}
+    assert groups(c) == {}
     assert logs == [
         {
             "event": "kv_loads_ignored",
+            "key": "kvguard_loads",
             "value": repr(loads),
             "want": "int in [1, 1024]",
             "log_level": "warning",

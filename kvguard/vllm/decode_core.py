@@ -153,9 +153,12 @@ class DecodeCore(LinkSide):
         """A request that will load ``remote_id`` still queues: keep it held."""
         return self._tell(endpoint, Renew(remote_id), now)
 
-    def forget(self, endpoint: str, remote_id: str, now: float) -> list[DecodeAction]:
-        """Tell a prefill its request will never be asked for (free it now)."""
-        return self._tell(endpoint, Abort(remote_id), now)
+    def forget(
+        self, endpoint: str, remote_id: str, now: float, group: int = 1
+    ) -> list[DecodeAction]:
+        """Tell a prefill one decode request of ``remote_id``'s group (of
+        ``group`` as the client declared it) will never ask for it."""
+        return self._tell(endpoint, Abort(remote_id, group=group), now)
 
     def result(self, endpoint: str, res: Result, now: float) -> list[DecodeAction]:
         """A prefill's verdict on one load: nothing of it writes its blocks."""

@@ -193,9 +193,10 @@ class DecodeReceiver:
         """A request that will load ``remote_id`` still queues: keep it held."""
         self._inbox.put(("renew", (endpoint, remote_id)))
 
-    def forget(self, endpoint: str, remote_id: str) -> None:
-        """Tell a prefill its request will never be asked for (free it now)."""
-        self._inbox.put(("forget", (endpoint, remote_id)))
+    def forget(self, endpoint: str, remote_id: str, group: int = 1) -> None:
+        """Tell a prefill one decode request of ``remote_id``'s group (of
+        ``group`` as the client declared it) will never ask for it."""
+        self._inbox.put(("forget", (endpoint, remote_id, group)))
 
     def take_finished(self) -> list[LoadOutcome]:
         with self._lock:
@@ -271,11 +272,15 @@ class DecodeReceiver:
             (rid,) = args
             assert isinstance(rid, str)
             acts = core.cancel(rid, now)
+        elif kind == "forget":
+            endpoint, remote_id, group = args
+            assert isinstance(endpoint, str) and isinstance(remote_id, str)
+            assert isinstance(group, int)
+            acts = core.forget(endpoint, remote_id, now, group)
         else:
             endpoint, remote_id = args
             assert isinstance(endpoint, str) and isinstance(remote_id, str)
-            tell = core.forget if kind == "forget" else core.renew
-            acts = tell(endpoint, remote_id, now)
+            acts = core.renew(endpoint, remote_id, now)
         self._apply(acts)
 
     def _apply(self, actions: list[DecodeAction]) -> None:

@@ -83,7 +83,7 @@ class PrefillCore:
         self._recent: Bounded[str, str] = Bounded(RECENT)  # released id -> how, for late pushes
         self._aborted: Bounded[tuple[str, str], None] = Bounded(RECENT)  # given-up loads
         # Forgets (an Abort with no load id) read before their hold: counted in it.
-        self._forgets: Bounded[str, int] = Bounded(MAX_EARLY)
+        self._forgets: Bounded[str, tuple[int, int]] = Bounded(MAX_EARLY)  # (count, group)
         self._peers = PeerLedger()
         # (due, request, load): a hold's deadline (load "") or an EARLY push's wait
         self._timers: LazyHeap[float, tuple[float, str, str]] = LazyHeap(self._timer_live)
@@ -125,10 +125,14 @@ class PrefillCore:
         self._holds[rid] = hold
         self._timers.push(deadline, (deadline, rid, ""))
         self.stats.held += 1
-        hold.forgotten = self._forgets.pop(rid, 0)
+        hold.forgotten, hold.group = self._forgets.pop(rid, (0, 1))
         out: list[PrefillAction] = []
         for rec in self._early.take_request(rid):
             assert rec.push is not None
+            if hold.state is HoldState.RELEASED:  # by an earlier one's refusal: start nothing
+                what = f"request {self._recent[rid]}"
+                self._answer(rec, PushState.REFUSED, LoadEnd.UNKNOWN_REQUEST, what, out)
+                continue
             self._start(hold, rec, rec.push, now, rec.expires, out)
         if hold.state is HoldState.HELD:  # (not released by a refusal)
             self._end_if_settled(hold, out)
@@ -149,7 +153,7 @@ class PrefillCore:
         """A decode's message (validated); ``wall`` is ``time.time()`` now."""
         out: list[PrefillAction] = []
         if isinstance(msg, Abort):
-            self._abort(ident, msg.request_id, msg.load_id, now, out)
+            self._abort(ident, msg, now, out)
         elif isinstance(msg, Renew):
             self._renew(msg.request_id, now)
         else:
@@ -337,19 +341,20 @@ class PrefillCore:
             )
         )
 
-    def _abort(
-        self, ident: bytes, rid: str, load_id: str, now: float, out: list[PrefillAction]
-    ) -> None:
+    def _abort(self, ident: bytes, msg: Abort, now: float, out: list[PrefillAction]) -> None:
         """The decode gave up ``load_id``: answered once nothing writes its
         blocks. With no load id, one decode request of ``rid``'s group will
         never push. Either settles one request of the group."""
+        rid, load_id = msg.request_id, msg.load_id
         hold = self._holds.get(rid)
         if not load_id:
             if hold is not None:
                 hold.forgotten += 1
+                hold.group = max(hold.group, msg.group)
                 self._end_if_settled(hold, out)
             elif rid not in self._recent:
-                self._forgets[rid] = self._forgets.get(rid, 0) + 1
+                count, group = self._forgets.get(rid, (0, 1))
+                self._forgets[rid] = (count + 1, max(group, msg.group))
             return
         self._aborted[(rid, load_id)] = None
         early = self._early.get(rid, load_id)
