@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -26,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import urlsplit
 
 import structlog
 import zmq
@@ -37,6 +35,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .actions import Close, DecodeAction, LoadOutcome, Open, Probe, Report, Send, Unfence
 from .decode_core import DecodeCore
+from .probe import gone
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, decode_from_prefill, encode
 from .states import LinkEvent
 
@@ -46,7 +45,6 @@ _log = structlog.get_logger("kvguard.vllm.receiver")
 
 _POLL_MS: Final = 5
 _RECENT: Final = 4096  # outcomes kept for inspection
-_PROBE_TIMEOUT_S: Final = 0.2
 # ZeroMQ's monitor events, as the core knows them.
 _LINK_EVENTS: Final[dict[int, LinkEvent]] = {
     int(zmq.EVENT_HANDSHAKE_SUCCEEDED): LinkEvent.HANDSHAKE,
@@ -80,40 +78,6 @@ def _ours(body: bytes) -> bool:
     except PeerProtocolError:
         return False
     return True
-
-
-def _echoes(sock: socket.socket) -> bool:
-    """Does what ``sock`` sends come back to it? Only on a socket connected
-    to itself: equal addresses alone can also be a NAT hairpin to a live
-    (perhaps frozen) listener, which sends nothing back."""
-    nonce = uuid.uuid4().bytes
-    try:
-        sock.sendall(nonce)
-        got = b""
-        while len(got) < len(nonce):
-            part = sock.recv(len(nonce) - len(got))
-            if not part:
-                return False
-            got += part
-    except OSError:  # a timeout included: nothing came back
-        return False
-    return got == nonce
-
-
-def _gone(endpoint: str) -> bool:
-    """Does nothing listen at ``endpoint``'s port? Refused, or connected to
-    itself (TCP self-connect, which happens only where nothing listens).
-    Unreachable or slow is silence, not proof."""
-    parts = urlsplit(endpoint)
-    if parts.hostname is None or parts.port is None:
-        return False
-    try:
-        with socket.create_connection((parts.hostname, parts.port), _PROBE_TIMEOUT_S) as s:
-            return s.getsockname() == s.getpeername() and _echoes(s)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
 
 
 @dataclass(slots=True)
@@ -301,7 +265,7 @@ class DecodeReceiver:
             elif isinstance(act, Close):
                 self._drop(act.endpoint)
             elif isinstance(act, Probe):
-                more = self._core.probed(act.endpoint, _gone(act.endpoint), time.monotonic())
+                more = self._core.probed(act.endpoint, gone(act.endpoint), time.monotonic())
             elif isinstance(act, Report):
                 self._report(act.outcome)
             elif isinstance(act, Unfence):

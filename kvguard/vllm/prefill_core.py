@@ -287,20 +287,9 @@ class PrefillCore:
             HOLD.move(hold, HoldState.LOADING, rid)
         new_peer = self._peers.admit(info, now)
         self.stats.pushed += 1
-        src = hold.blocks[len(hold.blocks) - len(push.blocks) :]
-        out.append(
-            Submit(
-                rid,
-                rec.load_id,
-                rec.transfer,
-                src,
-                list(push.blocks),
-                info,
-                new_peer,
-                deadline_s,
-                part,
-            )
-        )
+        src, dst = hold.blocks[len(hold.blocks) - len(push.blocks) :], list(push.blocks)
+        sub = Submit(rid, rec.load_id, rec.transfer, src, dst, info, new_peer, deadline_s, part)
+        out.append(sub)
 
     def _land(
         self,
