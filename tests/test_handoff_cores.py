@@ -418,10 +418,10 @@ def test_a_stalled_link_is_remade_backing_off_and_asks_again() -> None:
     core = decode()
     p = expect(core, deadline=200.0)
     core.opened(EP, 1, 100.0)
-    assert core.step(103.0) == [] and core.step(103.01) == [Open(EP, 2)]
-    assert core.opened(EP, 2, 103.01) == [Send(EP, p)]
-    assert core.step(109.0) == [] and core.step(109.02) == [Open(EP, 3)]  # twice as long
-    assert core.open_failed(EP, 3, "EMFILE", 109.02) == []  # the old socket stays
+    assert core.step(102.5) == [] and core.step(103.0) == [Open(EP, 2)]
+    assert core.opened(EP, 2, 103.0) == [Send(EP, p)]
+    assert core.step(108.5) == [] and core.step(109.0) == [Open(EP, 3)]  # twice as long
+    assert core.open_failed(EP, 3, "EMFILE", 109.0) == []  # the old socket stays
     assert core.link_event(EP, 2, LinkEvent.DROPPED, 110.0) == [
         Report(LoadOutcome("d", LoadEnd.PEER_LOST, f"prefill {EP}: connection dropped", 10.0, True))
     ]  # a remade link's drop proves nothing: fenced

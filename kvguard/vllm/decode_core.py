@@ -223,7 +223,8 @@ class DecodeCore(LinkSide):
         """Abort: the prefill answers it once nothing writes the blocks."""
         link = self._links.get(wait.endpoint)
         if link is not None:
-            self._send(link, Abort(wait.remote_id, wait.request_id), out)
+            # With its group's size: a hold no push reached yet settles the group it names.
+            self._send(link, Abort(wait.remote_id, wait.request_id, wait.push.group), out)
         self._reask_at(wait, now + self._stall_s)
 
     def _reask_at(self, wait: Wait, at: float) -> None:

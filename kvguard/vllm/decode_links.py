@@ -234,7 +234,7 @@ class LinkSide:
                 self._arm(link)
             return True
         stall = link.stall_due(self._stall_s)
-        if stall is not None and stall < now:
+        if stall is not None and stall <= now:
             _log.warning(
                 "prefill_link_stalled",
                 endpoint=link.endpoint,

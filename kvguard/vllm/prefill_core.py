@@ -346,6 +346,8 @@ class PrefillCore:
                 self._forgets[rid] = (count + 1, max(group, msg.group))
             return
         self._aborted[(rid, load_id)] = None
+        if hold is not None:  # the size its push would have told (this may settle the group)
+            hold.group = max(hold.group, msg.group)
         early = self._early.get(rid, load_id)
         if early is not None:
             self._early.take(early)
