@@ -1,0 +1,420 @@
+"""The hand-off simulation's world: prefill and decode processes, their
+engines and vLLM, over ``handoff_net``'s network, on one simulated clock.
+
+Everything real is the cores (``PrefillCore``, ``DecodeCore``, ``DecodeLegs``);
+everything around them is modelled on what the deployment does:
+
+* a prefill rank is a process: running, frozen (SIGSTOP: what reaches it
+  waits in its kernel buffers and runs on thaw, its engine's pending writes
+  land then) or dead (its state, writes and connections gone at once), and
+  restarts as a fresh ``PrefillCore`` on the same endpoint; the engine tells
+  each rank of a finished request one step after the client has it;
+* a push becomes a kvguard transfer that writes the decode's blocks until it
+  quiesces -- done, failed, hung past its deadline, or writing late after
+  it -- and only then is the core told ``released``; an abort ends it once
+  it quiesces; a submit may fail;
+* a decode server is vLLM's scheduler: a block pool (blocks go back when
+  every worker reported the request finished, and the request is done),
+  requests queued for blocks (renewing their prefill's hold), n > 1 groups
+  counted as the connector counts them (``_Group``, ``_not_loading``),
+  full prefix hits and clients giving up (a forget, or a cancel while
+  loading), load errors failing a request, and a client sending a refused
+  request again; under it one ``DecodeCore`` and ``DecodeLegs`` per tensor
+  parallel rank, with the connector's legs (``ranks.legs``).
+
+``handoff_sim`` owns the invariants (``Checker``) and runs worlds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from handoff_model import (
+    BLOCK_BYTES,
+    COMPAT,
+    DEAD,
+    DONE,
+    FAILS,
+    HEADS,
+    LOADING,
+    QUEUED,
+    RETRIED,
+    STEP_S,
+    UP,
+    Child,
+    Config,
+    Conn,
+    DRank,
+    DServer,
+    Group,
+    PRank,
+    Xfer,
+)
+from handoff_net import Network
+
+from kvguard.vllm.actions import (
+    AbortTransfer,
+    Close,
+    DecodeAction,
+    Open,
+    PrefillAction,
+    Probe,
+    Release,
+    Reply,
+    Report,
+    Send,
+    Submit,
+    Unfence,
+)
+from kvguard.vllm.decode_legs import Verdict
+from kvguard.vllm.prefill_core import PrefillCore
+from kvguard.vllm.protocol import Abort, Push, Renew
+from kvguard.vllm.ranks import Leg, RankHeads, legs
+from kvguard.vllm.states import LoadEnd
+
+if TYPE_CHECKING:
+    from handoff_sim import Checker
+
+__all__ = ["World"]
+
+
+class World(Network):
+    """Engines and vLLM over the network: a whole hand-off deployment."""
+
+    def __init__(self, seed: int, cfg: Config, check: Checker) -> None:
+        super().__init__(seed, cfg, check)
+        self.made = self.children = self.loads = 0  # client requests, decode requests, loaded
+        self.progress = 0  # decode requests handed back and holds released
+        self.session = {dr.ident.decode(): ds.idx for ds in self.dservers for dr in ds.ranks}
+        self.plans: dict[tuple[int, int, int], list[Leg]] = {}  # (decode, rank, prefill TP)
+        for ds in self.dservers:
+            for dr in ds.ranks:
+                for ptp in sorted(set(cfg.prefills)):
+                    heads = RankHeads(dr.rank, ds.tp, HEADS)
+                    self.plans[ds.idx, dr.rank, ptp] = legs(heads, ptp, True)
+        self.declared: dict[str, bool] = {}  # prefill request -> its n > 1 declared
+        self.kids: dict[str, Child] = {}  # decode requests loading, by id
+        self.at(0.0, self._client)
+        self.start_faults()
+
+    # -- prefill processes -----------------------------------------------------
+
+    def _boot(self, pr: PRank) -> None:  # (Network's)
+        cfg = self.cfg
+        pr.inc += 1
+        pr.state, pr.wake = UP, float("inf")
+        pr.core = PrefillCore(
+            compat=COMPAT,
+            renew_s=cfg.hold_s,
+            max_hold_s=cfg.max_hold_s,
+            heads=RankHeads(pr.rank, pr.tp, HEADS),
+            head_major=True,
+            block_bytes=BLOCK_BYTES,
+        )
+
+    def _p_apply(self, pr: PRank, acts: list[PrefillAction]) -> None:
+        for a in acts:
+            if isinstance(a, Reply):
+                c = pr.route.get(a.ident)
+                if c is not None and not (c.dead or c.closing):
+                    c.p2d = t = max(self.net(), c.p2d)
+                    self.at(t, self._arrive_d, c, a.result)
+                else:
+                    self.seen["reply lost: no live route"] += 1
+            elif isinstance(a, Submit):
+                self._submit(pr, a)
+            elif isinstance(a, AbortTransfer):
+                self._abort_xfer(pr, a.transfer)
+            elif isinstance(a, Release):
+                self.progress += 1
+                self.check.release(self, pr, a.request_id)
+        assert pr.core is not None
+        wake = pr.core.next_wake()
+        if wake is not None and wake < pr.wake:
+            pr.wake = wake
+            self.pat(self.turn(wake), pr, self._p_step, pr, wake)
+
+    def _p_step(self, pr: PRank, wake: float) -> None:
+        if pr.wake == wake:
+            pr.wake = float("inf")
+        assert pr.core is not None
+        self._p_apply(pr, pr.core.step(self.now))
+
+    def _hold(self, pr: PRank, rid: str, n: int, deadline: float) -> None:
+        assert pr.core is not None
+        self.check.hold(self, pr, rid, deadline)
+        self._p_apply(pr, pr.core.hold(rid, list(range(n)), deadline, self.now))
+
+    def _p_receive(self, c: Conn, msg: Push | Abort | Renew) -> None:  # (Network's)
+        pr = c.prank
+        if c.handed or pr.inc != c.inc or pr.core is None:
+            return  # ROUTER_HANDOVER: an old pipe's unread data is dropped
+        if c.closing:
+            self.seen["read from a closed socket's connection"] += 1
+        self.check.message(self, pr, msg)
+        self._p_apply(pr, pr.core.receive(c.sock.drank.ident, msg, self.now, self.now + pr.skew))
+
+    def _submit(self, pr: PRank, sub: Submit) -> None:
+        cfg, rng, now = self.cfg, self.rng, self.now
+        self.check.submitted(pr, sub.request_id)
+        if rng.random() < cfg.p_submit_fail:
+            self.pat(now, pr, self._landed, pr, sub.request_id, sub.load_id, None)
+            return
+        x = Xfer(pr, sub, self.session[sub.peer.session_id])
+        pr.xfers[sub.transfer] = x
+        dur, d, r = rng.uniform(0.002, 0.03), sub.deadline_s, rng.random()
+        if r < cfg.p_fail:
+            x.term = x.quiesce = now + rng.uniform(0.0, min(dur, d))
+            x.end = rng.choice(FAILS)
+        elif r < cfg.p_fail + cfg.p_hang:  # an engine call stuck past the deadline
+            x.hung, x.end, x.term = True, LoadEnd.TIMEOUT, now + d
+            x.quiesce = now + d + rng.uniform(0.0, 3 * cfg.hb_s)
+        elif r < cfg.p_fail + cfg.p_hang + cfg.p_late or dur > d:  # writes on past it
+            x.end, x.term = LoadEnd.TIMEOUT, now + d
+            x.quiesce = now + d + rng.uniform(0.0, cfg.hb_s)
+        else:
+            x.term = x.quiesce = now + dur
+        for t in (rng.uniform(now, x.quiesce), x.quiesce):
+            self.pat(t, pr, self._write, x, t)
+        self.pat(x.quiesce, pr, self._quiesced, x, sub.transfer, x.quiesce)
+
+    def _write(self, x: Xfer, t: float) -> None:
+        if t <= x.quiesce:  # (an abort may have stopped it first)
+            self.check.write(self, x)
+
+    def _quiesced(self, x: Xfer, tid: str, t: float) -> None:
+        if x.prank.xfers.get(tid) is x and x.quiesce == t:  # (not stopped earlier by an abort)
+            del x.prank.xfers[tid]
+            self._landed(x.prank, x.rid, x.load, x.end)
+
+    def _landed(self, pr: PRank, rid: str, load: str, end: LoadEnd | None) -> None:
+        assert pr.core is not None
+        self.check.landed(pr, rid)
+        if end is None:
+            acts = pr.core.submit_failed(rid, load, "sim: submit failed", self.now)
+        else:
+            acts = pr.core.released(rid, load, end, "sim", self.now)
+        self._p_apply(pr, acts)
+
+    def _abort_xfer(self, pr: PRank, tid: str) -> None:
+        x = pr.xfers.get(tid)
+        if x is None or self.now >= x.term or x.end is LoadEnd.ABORTED:
+            return  # terminal already: its release comes as it is
+        self.seen["transfer aborted"] += 1
+        x.end = LoadEnd.ABORTED
+        if not x.hung:
+            x.quiesce = min(x.quiesce, self.now + self.rng.uniform(0.0, 0.002))
+            self.pat(x.quiesce, pr, self._quiesced, x, tid, x.quiesce)
+
+    # -- decode processes ------------------------------------------------------
+
+    def _d_apply(self, dr: DRank, acts: list[DecodeAction]) -> None:  # (Network's)
+        for a in acts:
+            if isinstance(a, Send):
+                s = dr.socks.get(a.endpoint)
+                if s is not None:
+                    if s.conn is not None and s.conn.up:
+                        self._d2p(s.conn, a.msg)
+                    else:
+                        s.outq.append(a.msg)
+            elif isinstance(a, Report):
+                out = a.outcome
+                self.seen[f"load {'fenced ' if out.fenced else ''}{out.end.value}"] += 1
+                if out.end in RETRIED and not out.fenced:
+                    self.kids[out.request_id.split("#")[0]].refused += 1
+                self._verdict(dr, dr.legs.reported(a.outcome))
+            elif isinstance(a, Unfence):
+                self.seen["load unfenced"] += 1
+                self._verdict(dr, dr.legs.released(a.request_id))
+            elif isinstance(a, Open):
+                self._open(dr, a)
+            elif isinstance(a, Close):
+                self._close(dr, a.endpoint)
+            elif isinstance(a, Probe):
+                self._probe(dr, a.endpoint)
+        wake = dr.core.next_wake()
+        if wake is not None and wake < dr.wake:
+            dr.wake = wake
+            self.at(self.turn(wake), self._d_step, dr, wake)
+
+    def _d_step(self, dr: DRank, wake: float) -> None:
+        if dr.wake == wake:
+            dr.wake = float("inf")
+        self._d_apply(dr, dr.core.step(self.now))
+
+    # -- vLLM: clients, the decode scheduler -----------------------------------
+
+    def _client(self) -> None:
+        cfg, rng, now = self.cfg, self.rng, self.now
+        if self.made >= cfg.requests:
+            return
+        self.made += 1
+        self.at(now + rng.expovariate(cfg.rate), self._client)
+        s, ds = rng.randrange(len(self.pservers)), rng.choice(self.dservers)
+        n = rng.randint(2, cfg.max_n) if rng.random() < cfg.p_group else 1
+        rid = f"p{s}-{self.made}"
+        self.declared[rid] = n > 1 and rng.random() < cfg.p_declared
+        self.at(now + rng.uniform(0.001, 0.01), self._prefilled, s, rid, ds, n)
+
+    def _prefilled(self, s: int, rid: str, ds: DServer, n: int) -> None:
+        ranks, rng, now = self.pservers[s], self.rng, self.now
+        if all(pr.state == DEAD for pr in ranks):
+            return  # the client's prefill request failed
+        size = rng.randint(1, self.cfg.hold_blocks)
+        for pr in ranks:
+            if pr.state != DEAD:  # the worker holds it one engine step later
+                self.pat(
+                    now + rng.uniform(*STEP_S), pr, self._hold, pr, rid, size, now + self.cfg.hold_s
+                )
+        t = now + rng.uniform(0.0005, 0.003)
+        for i in range(n):
+            self.children += 1
+            ch = Child(f"{rid}.{i}", rid, s, ds.idx, n, rng.randint(1, size))
+            ch.declared, ch.prefix = self.declared[rid], rng.random() < self.cfg.p_prefix
+            t += rng.uniform(0.0, 0.01)
+            self.at(t, self._arrive, ds, ch)
+
+    def _arrive(self, ds: DServer, ch: Child) -> None:
+        g = ds.groups.setdefault(ch.src, Group())
+        g.waiting.add(ch.rid)
+        if ch.declared:
+            g.declared = max(g.declared, ch.n)
+        ds.queue.append(ch)
+        if self.rng.random() < self.cfg.p_abort:
+            self.at(
+                self.now + self.rng.uniform(0.0, 1.5 * self.cfg.deadline_s), self._client_abort, ch
+            )
+        self.at(self.now + max(self.cfg.hold_s / 3, 0.1), self._renew, ch)
+        self._schedule(ds)
+
+    def _urls(self, dr: DRank, ch: Child) -> list[tuple[str, int]]:
+        """The prefill ranks ``dr`` loads ``ch`` from, and how many decode ranks ask each."""
+        ranks = self.pservers[ch.pserver]
+        plan = self.plans[dr.server, dr.rank, len(ranks)]
+        return [(ranks[leg.prefill_rank].url, leg.fan_in) for leg in plan]
+
+    def _schedule(self, ds: DServer) -> None:
+        while ds.queue:
+            ch = ds.queue[0]
+            if not ch.prefix and len(ds.free) < ch.k:
+                return
+            ds.queue.popleft()
+            if ch.prefix:
+                ch.state = DONE
+                self._not_loading(ds, ch)
+            else:
+                self._alloc(ds, ch)
+
+    def _alloc(self, ds: DServer, ch: Child) -> None:
+        now = self.now
+        ch.blocks = [ds.free.pop() for _ in range(ch.k)]
+        for b in ch.blocks:
+            ds.owner[b] = ch.rid
+        g = ds.groups.get(ch.src)
+        if g is None:
+            g = ds.groups[ch.src] = Group()
+            g.declared = ch.n if ch.declared else 0
+        size = g.size()
+        g.waiting.discard(ch.rid)
+        g.live.add(ch.rid)
+        g.pushed += 1
+        ch.state, ch.deadline = LOADING, now + self.cfg.deadline_s
+        self.kids[ch.rid] = ch
+        self.loads += 1
+        self.check.loading(self, ch, len(ds.ranks))
+        ranks = self.pservers[ch.pserver]
+        for dr in ds.ranks:
+            plan = self.plans[ds.idx, dr.rank, len(ranks)]
+            single = len(plan) == 1 and plan[0].fan_in == 1
+            ids = [ch.rid if single else f"{ch.rid}#{dr.rank}.{leg.prefill_rank}" for leg in plan]
+            dr.legs.start(ch.rid, ch.blocks, ids)
+            ch.legs += len(ids)
+            for leg, lid in zip(plan, ids, strict=True):
+                url = ranks[leg.prefill_rank].url
+                acts = dr.core.expect(
+                    lid, url, ch.src, ch.blocks, ch.deadline, size * leg.fan_in, now, now + dr.skew
+                )
+                self._d_apply(dr, acts)
+
+    def _not_loading(self, ds: DServer, ch: Child) -> None:
+        """The connector's ``_not_loading``: tell the prefill (with the group's
+        size, this one counted), or shrink later pushes."""
+        g = ds.groups.get(ch.src)
+        tell, size = True, 1
+        if g is not None:
+            size = max(g.size(), 1)
+            g.waiting.discard(ch.rid)
+            if not (g.pushed or not g.waiting):
+                tell, g.left = False, g.left + 1
+            if not g.waiting and not g.live:
+                del ds.groups[ch.src]
+        if tell:
+            for dr in ds.ranks:
+                for url, fan_in in self._urls(dr, ch):
+                    self._d_apply(dr, dr.core.forget(url, ch.src, self.now, size * fan_in))
+
+    def _renew(self, ch: Child) -> None:
+        if ch.state != QUEUED:
+            return
+        ds = self.dservers[ch.server]
+        for dr in ds.ranks:
+            for url, _ in self._urls(dr, ch):
+                self._d_apply(dr, dr.core.renew(url, ch.src, self.now))
+        self.at(self.now + max(self.cfg.hold_s / 3, 0.1), self._renew, ch)
+
+    def _client_abort(self, ch: Child) -> None:
+        ds = self.dservers[ch.server]
+        if ch.state == QUEUED:
+            ds.queue.remove(ch)
+            ch.state = DONE
+            self._not_loading(ds, ch)
+        elif ch.state == LOADING and not ch.cancelled and ch.finals < len(ds.ranks):
+            ch.cancelled = True  # request_finished while loading: the connector's cancels
+            self.check.cancel(ch)
+            for dr in ds.ranks:
+                for leg in dr.legs.legs(ch.rid):
+                    self._d_apply(dr, dr.core.cancel(leg, self.now))
+
+    def _verdict(self, dr: DRank, v: Verdict | None) -> None:
+        if v is None:
+            return
+        ch = self.kids[v.request_id]
+        ds = self.dservers[ch.server]
+        self.check.verdict(self, dr, ch, v)
+        if not v.final:  # load errors: vLLM fails the request now, keeps the blocks
+            if not ch.failed:
+                ch.failed = True
+                self.at(self.now + self.rng.uniform(*STEP_S), self._client_abort, ch)
+            return
+        ch.finals += 1
+        ch.failed |= not v.outcome.ok
+        # Every leg refused: the prefill keeps the blocks for another decode (the
+        # docs' promise), and the client sends the request again, once.
+        if ch.refused == ch.legs and not ch.retry and self.rng.random() < self.cfg.p_retry:
+            ch.retry = True
+            again = Child(f"{ch.rid}r", ch.src, ch.pserver, self.rng.randrange(len(self.dservers)),
+                          ch.n, ch.k)  # fmt: skip
+            again.declared, again.retry = ch.declared, True
+            self.children += 1
+            self.at(self.now + self.rng.uniform(0.001, 0.01), self._arrive,
+                    self.dservers[again.server], again)  # fmt: skip
+        if ch.finals == len(ds.ranks):  # finished_recving from every worker
+            ok = not (ch.failed or ch.cancelled)
+            self.at(self.now + (self.rng.uniform(0.0, 0.02) if ok else 0.0), self._finish, ch)
+
+    def _finish(self, ch: Child) -> None:
+        """The request is done: vLLM has its blocks back."""
+        ds = self.dservers[ch.server]
+        self.progress += 1
+        self.check.handback(self, ch)
+        for b in ch.blocks:
+            del ds.owner[b]
+            ds.free.append(b)
+        ch.state = DONE
+        del self.kids[ch.rid]
+        g = ds.groups.get(ch.src)
+        if g is not None:
+            g.live.discard(ch.rid)
+            if not g.waiting and not g.live:
+                del ds.groups[ch.src]
+        self._schedule(ds)
