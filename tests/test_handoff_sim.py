@@ -89,7 +89,11 @@ def worlds(draw: st.DrawFn) -> Config:
     )
 
 
-@settings(max_examples=1200, deadline=None)
+# KVGUARD_SIM_EXAMPLES: fewer for mutation testing, more for a longer search.
+EXAMPLES = int(os.environ.get("KVGUARD_SIM_EXAMPLES", "1200"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), cfg=worlds())
 def test_random_worlds_keep_every_invariant(seed: int, cfg: Config) -> None:
     out = run(seed, cfg)  # raises InvariantViolated naming the invariant, seed and time
