@@ -14,10 +14,17 @@ from lifecycle import render_markdown
 
 from .vllm.states import TABLES as HANDOFF_TABLES
 
-__all__ = ["main"]
+__all__ = ["diagram_document", "main"]
 
 # The repository checkout this package runs from (an editable install).
 DIAGRAM_PATH = Path(__file__).resolve().parents[1] / "docs" / "state-diagram.md"
+
+
+def diagram_document() -> str:
+    """docs/state-diagram.md: the request lifecycle, then the hand-off's tables."""
+    return render_markdown() + "".join(
+        "\n" + table.render_markdown("kvguard/vllm/states.py") for table in HANDOFF_TABLES
+    )
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
@@ -30,9 +37,7 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
         return diagram_command(
             args.counts, args.format or "mermaid", args.output, sys.stdout, sys.stderr
         )
-    text = render_markdown() + "".join(
-        "\n" + table.render_markdown("kvguard/vllm/states.py") for table in HANDOFF_TABLES
-    )
+    text = diagram_document()
     path: Path = args.output or DIAGRAM_PATH
     if args.check:
         current = path.read_text() if path.exists() else None

@@ -19,6 +19,7 @@ from transitions import Machine, MachineError
 from transitions.extensions import GraphMachine
 
 import lifecycle
+from kvguard.cli import diagram_document
 from lifecycle import (
     DISPATCH,
     GUARDS,
@@ -296,7 +297,8 @@ def test_lifecycle_matches_a_transitions_model(max_attempts: int, events: list[E
 
 
 def test_committed_diagram_matches_the_table() -> None:
-    assert DIAGRAM.read_text() == render_markdown()
+    assert DIAGRAM.read_text() == diagram_document()
+    assert diagram_document().startswith(render_markdown())  # the lifecycle, then the hand-off
 
 
 def test_mermaid_marks_initial_terminal_and_every_edge() -> None:
@@ -362,12 +364,12 @@ def test_diagram_check_fails_on_stale_file_and_passes_after_regenerating(
     assert cli.main(["diagram", "--check", "--output", str(out)]) == 1  # missing
     assert "stale" in capsys.readouterr().err
     out.parent.mkdir(parents=True)
-    out.write_text(render_markdown().replace("retry", "retry-old"))
+    out.write_text(diagram_document().replace("retry", "retry-old"))
     assert cli.main(["diagram", "--check", "--output", str(out)]) == 1
     err = capsys.readouterr().err
     assert str(out) in err and "stale" in err and "kvguard diagram" in err
     assert cli.main(["diagram", "--output", str(out)]) == 0
-    assert out.read_text() == render_markdown()
+    assert out.read_text() == diagram_document()
     assert cli.main(["diagram", "--check", "--output", str(out)]) == 0
     assert "up to date" in capsys.readouterr().out
 
@@ -378,7 +380,7 @@ def test_kvguard_console_script_check(tmp_path: Path) -> None:
     exe = shutil.which("kvguard")
     cmd = [exe] if exe else [sys.executable, "-m", "kvguard.cli"]
     out = tmp_path / "diagram.md"
-    out.write_text(render_markdown().replace("FAILED", "FAILD"))
+    out.write_text(diagram_document().replace("FAILED", "FAILD"))
     stale = subprocess.run(
         [*cmd, "diagram", "--check", "--output", str(out)],
         capture_output=True,
@@ -388,7 +390,7 @@ def test_kvguard_console_script_check(tmp_path: Path) -> None:
     assert stale.returncode == 1
     assert f"{out} is stale" in stale.stderr
     assert "Run `kvguard diagram`" in stale.stderr
-    out.write_text(render_markdown())  # what `kvguard diagram --output` writes (tested above)
+    out.write_text(diagram_document())  # what `kvguard diagram --output` writes (tested above)
     fresh = subprocess.run(
         [*cmd, "diagram", "--check", "--output", str(out)],
         capture_output=True,
