@@ -483,3 +483,35 @@ def test_a_forget_that_declares_its_group_does_not_end_the_hold_its_siblings_loa
     early.receive(D, Abort("r", group=2), 100.0, 100.0)
     assert early.hold("r", [1], 130.0, 101.0) == []  # two of three said so
     assert early.receive(D, Abort("r"), 101.5, 101.5) == [Release("r")]
+
+
+def test_a_malformed_message_is_answered_only_when_its_ids_parse() -> None:
+    core = PrefillCore()
+    assert core.malformed(D, None, "garbage") == []
+    assert core.malformed(D, ("r", "d"), "bad message from decode: x") == [
+        answer("r", "d", LoadEnd.BAD_REQUEST, "bad message from decode: x")
+    ]
+
+
+def test_late_or_stray_engine_events_change_nothing() -> None:
+    """A release or a failed submit for a load not in flight (unknown, or
+    already answered) is stale: no answer, no release, no count."""
+    core = held()
+    assert core.released("r", "nope", LoadEnd.LOADED, "", 100.0) == []
+    assert core.submit_failed("nope", "d", "x", 100.0) == []
+    core.receive(D, push(), 100.0, 100.0)
+    assert core.released("r", "d", LoadEnd.LOADED, "", 101.0)[-1] == Release("r")
+    assert core.released("r", "d", LoadEnd.LOADED, "", 101.5) == []
+    assert core.submit_failed("r", "d", "x", 101.5) == []
+    refused = held("s")
+    refused.receive(D, push("s", "e", compat="x"), 100.0, 100.0)
+    assert refused.submit_failed("s", "e", "x", 100.5) == []  # refused, not in flight
+    assert (core.stats.done, core.stats.refused, refused.stats.refused) == (1, 0, 1)
+
+
+def test_a_renewal_never_shortens_a_hold_and_an_unknown_one_is_ignored() -> None:
+    core = held(deadline=130.0)
+    assert core.receive(D, Renew("r"), 90.0, 90.0) == []  # 120 < 130: kept
+    assert core.next_wake() == 130.0 and core.stats.renewed == 0
+    assert core.receive(D, Renew("other"), 100.0, 100.0) == []
+    assert core.stats.renewed == 0 and core.holding() == 1
