@@ -18,4 +18,4 @@ if ! "$PY" -c 'import vllm' 2>/dev/null; then
     "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 "$PY" -m pip install -q -e '.[dev]' transformers
-"$PY" tests/vllm_checkpoint.py "${KVGUARD_VLLM_MODEL:-.venv-vllm/tiny-llama}"
+"$PY" -m tests.vllm.checkpoint "${KVGUARD_VLLM_MODEL:-.venv-vllm/tiny-llama}"

@@ -2,7 +2,7 @@
 
 Both engines are ``python -m vllm.entrypoints.openai.api_server`` with
 vLLM's default multiprocessing (APIServer, EngineCore, Worker in three
-processes), started once per module (``tests/vllm_server.py``): one
+processes), started once per module (``tests/vllm/servers.py``): one
 prefill and two decodes, one per ``kv_load_failure_policy``. The clients
 go through ``kvguard proxy`` (a subprocess) or run the toy proxy's two steps
 themselves where the test acts between them, and every PD outcome is
@@ -26,40 +26,27 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import pytest
-
-if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
-else:
-    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
+from typing import Any
 
 import aiohttp
-from vllm_server import (
+import pytest
+
+from tests.vllm.client import Outcome, ask, ask_all, complete, pd, prefill_step, prompts_of, run
+from tests.vllm.ports import free_port
+from tests.vllm.report import TABLE_HEADER, Row
+from tests.vllm.servers import (
     BIN,
     LOGS,
     ROOT,
     SERVES_KV,
-    TABLE_HEADER,
-    Outcome,
     Proxy,
-    Row,
     Server,
-    ask,
-    ask_all,
-    complete,
-    free_port,
     kv_config,
-    pd,
-    prefill_step,
     start_all,
     wait_healthy,
 )
-
-T = TypeVar("T")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -76,21 +63,9 @@ PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(33, 100))] for 
 ROWS: list[Row] = []
 
 
-def prompts_of(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 256) for _ in range(rng.randrange(33, 65))] for _ in range(n)]
-
-
 def spread_tokens(n: int) -> list[int]:
     """max_tokens 8..64 across ``n`` requests, so they finish one after another."""
     return [8 + (56 * i) // max(n - 1, 1) for i in range(n)]
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
 
 
 # ==== the servers ==============================================================
@@ -254,7 +229,7 @@ def assert_outcomes(
 # ==== docs/vllm.md's commands ==================================================
 
 DOCS = ROOT / "docs" / "vllm.md"
-DOCS_MARK = "<!-- checked by tests/test_vllm_server.py -->"
+DOCS_MARK = "<!-- checked by tests/vllm/test_vllm_server.py -->"
 
 
 def docs_commands() -> tuple[str, str]:

@@ -3,7 +3,7 @@
 Unit tests drive the stats container, the worker-side sampler and the
 Prometheus class through vLLM's own classes (``KVConnectorLogging``,
 ``KVConnectorProm``, its msgpack encoder) with no engine. One end-to-end
-test runs two OpenAI servers (``tests/vllm_server.py``) and reads the
+test runs two OpenAI servers (``tests/vllm/servers.py``) and reads the
 figures back from each server's ``/metrics`` and stats log line.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import pickle
 import random
 import re
@@ -22,15 +21,9 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
-if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
-else:
-    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
-
 import aiohttp
 import prometheus_client
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -39,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllm_server import MODEL, SERVES_KV, Server, complete, free_port, kv_config, pd
 
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.decode_loads import LoadOutcome
@@ -49,6 +41,9 @@ from kvguard.vllm.stats import GAUGES, KVGuardConnectorStats
 from kvguard.vllm.stats_prometheus import KVGuardPromMetrics
 from kvguard.vllm.stats_sampling import PrefillSample, WorkerStats
 from lifecycle import FailureReason
+from tests.vllm.client import complete, pd
+from tests.vllm.ports import free_port
+from tests.vllm.servers import MODEL, SERVES_KV, Server, kv_config
 from transfer import KVLayout
 
 pytestmark = [pytest.mark.vllm]

@@ -1,6 +1,6 @@
 """Tensor parallelism in the server deployment: TP 2 on both sides, and sizes that differ.
 
-Four vLLM OpenAI servers (default multiprocessing, ``tests/vllm_server.py``)
+Four vLLM OpenAI servers (default multiprocessing, ``tests/vllm/servers.py``)
 start once for the module: prefills of TP 2 and TP 1, decodes of TP 2 and
 TP 1 (policy ``fail``). Every PD
 outcome is compared with a non-PD request of the same prompt on the same
@@ -29,17 +29,14 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 
-if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
-else:
-    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
-
-import aiohttp
-import vllm_server
-from test_vllm_server import prompts_of, run
-from vllm_server import SERVES_KV, Outcome, Server, ask_all, complete, free_port, kv_config, pd
+from kvguard.vllm.params import PREFILL_KV_TRANSFER_PARAMS
+from tests.vllm import servers as harness
+from tests.vllm.client import Outcome, ask_all, complete, pd, prompts_of, run
+from tests.vllm.ports import free_port
+from tests.vllm.servers import SERVES_KV, Server, kv_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -97,7 +94,7 @@ def prefill_kv(port: int, **extra: object) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def servers(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Servers]:
-    monkeypatch_module.setattr(vllm_server, "START_S", START_S)
+    monkeypatch_module.setattr(harness, "START_S", START_S)
     kv = {
         "kvguard_deadline_s": DEADLINE_S,
         "kvguard_max_deadline_s": DEADLINE_S,
@@ -110,7 +107,7 @@ def servers(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Servers]:
         d1=Server("tp-decode-1", kv_config("kv_consumer", **kv)),
     )
     try:
-        vllm_server.start_all(s.all)
+        harness.start_all(s.all)
         yield s
     finally:
         for server in s.all:
@@ -230,7 +227,7 @@ def test_killing_one_prefill_rank_between_the_steps(servers: Servers) -> None:
     async def prefill_all() -> list[dict[str, object]]:
         async with aiohttp.ClientSession() as http:
             firsts = await asyncio.gather(
-                *(complete(http, s.p2, q, 1, dict(vllm_server.TOY_PREFILL_PARAMS)) for q in prompts)
+                *(complete(http, s.p2, q, 1, dict(PREFILL_KV_TRANSFER_PARAMS)) for q in prompts)
             )
         assert all(o.kind == "ok" and params for o, params in firsts), firsts
         return [dict(params or {}) for _, params in firsts]

@@ -1,4 +1,4 @@
-"""vLLM OpenAI servers as users run them, for the server-mode tests.
+"""vLLM OpenAI servers as users run them, for the vLLM tests and benchmarks.
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group (APIServer, EngineCore and Worker are three processes, vLLM's
@@ -10,22 +10,15 @@ prefix cache (``POST /reset_prefix_cache``) and make every PD request load
 its KV instead of finding it cached from the reference request.
 
 ``Proxy`` is ``kvguard proxy`` as a subprocess (its own process group too).
-The client runs the PD proxy's two steps itself where a test must act
-between them (``prefill_step``/``pd``, the body vLLM's toy proxy sends),
-asks for token ids (``return_token_ids``) and compares them with a non-PD
-request of the same prompt (temperature 0, ``ignore_eos``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,9 +30,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from tests.vllm.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = [
+    "BIN",
+    "LOGS",
+    "MODEL",
+    "ROOT",
+    "SERVES_KV",
+    "SMALL",
+    "Load",
+    "Proxy",
+    "Server",
+    "kv_config",
+    "start_all",
+    "wait_healthy",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-llama"))
 LOGS = ROOT / ".venv-vllm"
 BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
@@ -65,48 +73,6 @@ SMALL = [
     "--seed",
     "0",
 ]
-
-# What vLLM's toy PD proxy (tests/v1/kv_connector/nixl_integration/
-# toy_proxy_server.py) puts into the prefill leg's body.
-TOY_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
-# Ports for servers that listen, below the kernel's ephemeral range
-# (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default): a port
-# the kernel picked (bind to 0) is one it hands out again as a client
-# connection's source port, and the many connections of these tests would
-# take it from a server that restarts on it, or has not bound it yet.
-_PORTS = range(20000, 32000)
-_handed: set[int] = set()
-_port_rng = random.Random()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(span: int = 1) -> int:
-    """A port where ``span`` consecutive ports are free (a TP prefill listens on
-    ``kvguard_control_port`` + rank), none handed out before in this process."""
-    for _ in range(1000):
-        port = _port_rng.randrange(_PORTS.start, _PORTS.stop - span)
-        ports = range(port, port + span)
-        if not _handed.intersection(ports) and all(map(_bindable, ports)):
-            _handed.update(ports)
-            return port
-    raise RuntimeError(f"no {span} free consecutive ports in {_PORTS}")
 
 
 def kv_config(role: str, policy: str = "fail", **extra: Any) -> dict[str, Any]:
@@ -191,7 +157,7 @@ class Server:
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+        env["PYTHONPATH"] = str(ROOT)
         with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
             start_at = out.tell()
             self.proc = subprocess.Popen(
@@ -381,209 +347,6 @@ class Proxy:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one client request ended.
-
-    ``kind`` is ``ok``, ``http <status> <error type>``, ``refused`` (no
-    connection), ``disconnected`` (closed before the reply) or ``timeout``
-    (the client's own deadline: a request that hung).
-    """
-
-    status: int  # 0: no HTTP reply
-    kind: str
-    choices: tuple[tuple[int, ...], ...]  # each choice's token ids, by index
-    error: str
-    seconds: float
-
-    @property
-    def tokens(self) -> list[int] | None:
-        return list(self.choices[0]) if self.choices else None
-
-
-def _error_type(data: Any) -> str:
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("type", "?"))
-    return "?"
-
-
-async def post(
-    http: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, Any],
-    timeout_s: float = 60.0,
-) -> tuple[Outcome, dict[str, Any] | None]:
-    """One POST /v1/completions to ``url``; its outcome and the returned kv_transfer_params."""
-    t0 = time.monotonic()
-
-    def failed(kind: str, exc: BaseException) -> tuple[Outcome, None]:
-        return Outcome(0, kind, (), f"{type(exc).__name__}: {exc}", time.monotonic() - t0), None
-
-    try:
-        async with http.post(
-            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as r:
-            data = await r.json(content_type=None)
-    except aiohttp.ClientConnectorError as exc:
-        return failed("refused", exc)
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        return failed("disconnected", exc)
-    except aiohttp.ClientOSError as exc:
-        return failed("disconnected", exc)
-    except asyncio.TimeoutError as exc:
-        return failed("timeout", exc)
-    took = time.monotonic() - t0
-    if r.status != 200:
-        kind = f"http {r.status} {_error_type(data)}"
-        return Outcome(r.status, kind, (), json.dumps(data)[:300], took), None
-    ordered = sorted(data["choices"], key=lambda c: int(c["index"]))
-    choices = tuple(tuple(int(t) for t in c["token_ids"]) for c in ordered)
-    return Outcome(200, "ok", choices, "", took), data.get("kv_transfer_params")
-
-
-def completion_body(prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": str(MODEL),
-        "prompt": list(prompt),
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-
-
-async def complete(
-    http: aiohttp.ClientSession,
-    server: Server | str,
-    prompt: Sequence[int],
-    max_tokens: int,
-    kv_transfer_params: dict[str, Any] | None = None,
-    timeout_s: float = 60.0,
-    **extra: Any,
-) -> tuple[Outcome, dict[str, Any] | None]:
-    """One /v1/completions call; its outcome and the returned kv_transfer_params."""
-    body = completion_body(prompt, max_tokens, **extra)
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    url = server.url if isinstance(server, Server) else server
-    return await post(http, url, body, timeout_s)
-
-
-async def ask(
-    http: aiohttp.ClientSession,
-    url: str,
-    prompt: Sequence[int],
-    max_tokens: int,
-    timeout_s: float = 60.0,
-    **extra: Any,
-) -> Outcome:
-    """One completion through a proxy (or a server used without PD); its outcome."""
-    out, _ = await post(http, url, completion_body(prompt, max_tokens, **extra), timeout_s)
-    return out
-
-
-def ask_all(
-    prefill: Server,
-    decode: Server,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int | Sequence[int],
-    timeout_s: float = 60.0,
-    proxy_args: Sequence[str] = (),
-    **extra: Any,
-) -> list[Outcome]:
-    """``prompts`` at once through a ``kvguard proxy`` started for ``prefill``
-    and ``decode`` (stopped after, ``proxy_args`` added to its command);
-    each outcome, in order. ``max_tokens``: one for all, or one per prompt."""
-    tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-    proxy = Proxy([prefill.url], [decode.url], args=proxy_args).start()
-
-    async def go() -> list[Outcome]:
-        async with aiohttp.ClientSession() as http:
-            return list(
-                await asyncio.gather(
-                    *(
-                        ask(http, proxy.url, p, m, timeout_s, **extra)
-                        for p, m in zip(prompts, tokens, strict=True)
-                    )
-                )
-            )
-
-    try:
-        return asyncio.run(go())
-    finally:
-        proxy.stop()
-
-
-async def prefill_step(
-    http: aiohttp.ClientSession, prefill: Server, prompt: Sequence[int], **kv: Any
-) -> tuple[Outcome, dict[str, Any] | None]:
-    """The toy proxy's prefill leg: max_tokens 1, its kv_transfer_params (plus ``kv``)."""
-    return await complete(http, prefill, prompt, 1, {**TOY_PREFILL_PARAMS, **kv})
-
-
-async def pd(
-    http: aiohttp.ClientSession,
-    prefill: Server,
-    decode: Server,
-    prompt: Sequence[int],
-    max_tokens: int,
-    timeout_s: float = 60.0,
-    kv: dict[str, Any] | None = None,
-    **extra: Any,
-) -> Outcome:
-    """The PD proxy's two steps for one prompt; the decode's outcome (``kv`` goes
-    into the prefill's kv_transfer_params, ``extra`` on the decode)."""
-    first, params = await prefill_step(http, prefill, prompt, **(kv or {}))
-    if first.status != 200 or params is None:
-        return first
-    out, _ = await complete(http, decode, prompt, max_tokens, params, timeout_s, **extra)
-    return Outcome(out.status, out.kind, out.choices, out.error, first.seconds + out.seconds)
-
-
-# ==== the per-scenario table ===================================================
-
-
-@dataclass
-class Row:
-    """One scenario's figures for the closing note."""
-
-    scenario: str
-    requests: int = 0
-    ok_equal: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    max_s: float = 0.0
-    decode_idle: str = "-"
-    note: str = ""
-
-    def add(self, outcomes: Iterable[Outcome], want: Iterable[Sequence[int]]) -> None:
-        """Count ``outcomes`` against the expected tokens of each (every choice must equal)."""
-        for got, tokens in zip(outcomes, want, strict=True):
-            self.requests += 1
-            self.max_s = max(self.max_s, got.seconds)
-            if got.kind == "ok" and all(list(c) == list(tokens) for c in got.choices):
-                self.ok_equal += 1
-            elif got.kind == "ok":
-                self.errors["wrong tokens"] += 1
-            else:
-                self.errors[got.kind] += 1
-
-    def line(self) -> str:
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "-"
-        return (
-            f"| {self.scenario} | {self.requests} | {self.ok_equal} | {errors} "
-            f"| {self.max_s:.2f} | {self.decode_idle} | {self.note} |"
-        )
-
-
-TABLE_HEADER = (
-    "| scenario | requests | ok and equal | errors by kind | max s to outcome "
-    "| servers idle after | note |\n|---|---|---|---|---|---|---|"
-)
 
 
 def start_all(servers: Sequence[Server]) -> None:

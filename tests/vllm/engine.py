@@ -1,6 +1,6 @@
 """One vLLM engine in its own process, driven by JSON lines (the tests' client).
 
-    .venv-vllm/bin/python tests/vllm_engine.py --model DIR [--role kv_producer|kv_consumer]
+    .venv-vllm/bin/python -m tests.vllm.engine --model DIR [--role kv_producer|kv_consumer]
         [--policy fail|recompute] [--extra JSON] [--connector NAME --module PATH]
 
 stdin, one JSON object a line:

@@ -1,8 +1,8 @@
 """I6 across engines, in the deployment users run: no decode block is written by a
 prefill after vLLM may reuse it.
 
-Two vLLM OpenAI servers (``tests/vllm_server.py``), both with the canary
-connector (``tests/vllm_canary_connector.py``). The prefill's next transfer is
+Two vLLM OpenAI servers (``tests/vllm/servers.py``), both with the canary
+connector (``tests/vllm/canary_connector.py``). The prefill's next transfer is
 armed to reach the real Mooncake engine only ``DELAY_S`` seconds after kvguard
 submitted it, well past the decode's ``DEADLINE_S``; in one scenario the
 prefill's whole process group is also frozen (SIGSTOP) while that write is
@@ -35,34 +35,18 @@ import os
 import random
 import signal
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import pytest
-
-if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
-else:
-    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
+from typing import Any
 
 import aiohttp
-import vllm_server
-from vllm_server import (
-    LOGS,
-    SERVES_KV,
-    Outcome,
-    Server,
-    complete,
-    free_port,
-    kv_config,
-    pd,
-    prefill_step,
-    start_all,
-)
+import pytest
 
-T = TypeVar("T")
+from tests.vllm import servers as harness
+from tests.vllm.client import Outcome, complete, pd, prefill_step, run
+from tests.vllm.ports import free_port
+from tests.vllm.servers import LOGS, SERVES_KV, Server, kv_config, start_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -79,17 +63,10 @@ BG_WORKERS = 6
 BG_TOKENS = 16
 PD_TOKENS = 8
 CANARY = "canary"
-CONNECTOR = "vllm_canary_connector"
+CONNECTOR = "tests.vllm.canary_connector"
 
 _rng = random.Random(6)
 BG_PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(50, 90))] for _ in range(12)]
-
-
-def run(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
 
 
 def fresh_prompt(seed: int) -> list[int]:
@@ -148,14 +125,14 @@ def canary() -> Iterator[Canary]:
     old = os.environ.get("KVGUARD_CANARY_DIR")
     os.environ["KVGUARD_CANARY_DIR"] = str(path)  # Server.start passes os.environ on
     c = Canary(prefill, decode, path)
-    start_s = vllm_server.START_S
+    start_s = harness.START_S
     # Other helpers' servers share the 2 cores: a start may take longer than usual.
-    vllm_server.START_S = max(start_s, 600.0)
+    harness.START_S = max(start_s, 600.0)
     try:
         start_all([prefill, decode])
         yield c
     finally:
-        vllm_server.START_S = start_s
+        harness.START_S = start_s
         if old is None:
             os.environ.pop("KVGUARD_CANARY_DIR", None)
         else:

@@ -1,10 +1,10 @@
 """Two real vLLM engines, real Mooncake: the kvguard connector end to end.
 
-Each engine is its own OS process (``tests/vllm_engine.py``, driven over
+Each engine is its own OS process (``tests/vllm/engine.py``, driven over
 pipes by this test, the "client"); prefill and decode talk to each other only
 through the connector: ZeroMQ over TCP for control, Mooncake over TCP for
-the KV bytes. Runs in ``.venv-vllm`` (``scripts/vllm-env.sh``); skipped
-elsewhere unless KVGUARD_REQUIRE_VLLM=1, which turns the skip into a failure.
+the KV bytes. Runs in ``.venv-vllm`` (``scripts/vllm-env.sh``); its
+conftest gates the import.
 
 Scenarios (issue 13): clean run with a negative control, prefill killed,
 prefill frozen, decode killed, injected faults. Every request is recorded
@@ -30,16 +30,11 @@ from typing import Any
 
 import pytest
 
-if os.environ.get("KVGUARD_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  -- CI: a missing vLLM must fail, not skip
-else:
-    pytest.importorskip("vllm", reason="vLLM tests run in .venv-vllm (scripts/vllm-env.sh)")
-
-from vllm_server import free_port
+from tests.vllm.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-llama"))
 REPORT = ROOT / ".venv-vllm" / "vllm-report.json"
 DEADLINE_S = 5.0  # per request, both sides
@@ -63,14 +58,14 @@ class Engine:
 
     def __init__(self, name: str, role: str = "", policy: str = "fail", **extra: Any) -> None:
         self.name = name
-        args = [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "--model", str(MODEL)]
+        args = [sys.executable, "-m", "tests.vllm.engine", "--model", str(MODEL)]
         if role:
             args += ["--role", role, "--policy", policy, "--extra", json.dumps(extra)]
             if role == "kv_consumer":
                 args += ["--connector", "CorruptingKVGuardConnector"]
-                args += ["--module", "vllm_corrupt_connector"]
+                args += ["--module", "tests.vllm.corrupt_connector"]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+        env["PYTHONPATH"] = str(ROOT)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.log = ROOT / ".venv-vllm" / f"engine-{name}.log"
         self._logf = self.log.open("w")

@@ -3,8 +3,8 @@
 Its scheduler side (``CanaryScheduler``) logs allocations, its worker side
 (``CanaryWorker``) is the late prefill engine and the fence log.
 
-Loaded by tests/test_vllm_canary.py with ``kv_connector="CanaryKVGuardConnector"``
-and ``kv_connector_module_path="vllm_canary_connector"``. Both roles share the
+Loaded by tests/vllm/test_vllm_canary.py with ``kv_connector="CanaryKVGuardConnector"``
+and ``kv_connector_module_path="tests.vllm.canary_connector"``. Both roles share the
 directory named by ``KVGUARD_CANARY_DIR`` and append one JSON object per line
 to its ``events.jsonl`` (wall-clock ``t``: the servers' processes compare times).
 

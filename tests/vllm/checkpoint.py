@@ -5,7 +5,7 @@ same tokens, so they cannot test KV correctness. These weights (init std
 0.5) make every generated token depend on the KV cache: a corrupted or
 zeroed transfer changes the output. Deterministic (seeded); no model hub.
 
-    python tests/vllm_checkpoint.py DIR
+    python -m tests.vllm.checkpoint DIR
 """
 
 from __future__ import annotations
