@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Sequence
@@ -33,19 +34,25 @@ from tests.vllm.servers import SERVES_KV, Server, kv_config, start_all
 
 __all__ = [
     "DEADLINE_S",
+    "FAILED",
+    "FREEZE_S",
+    "HEARTBEAT_S",
     "HEARTBEAT_TIMEOUT_S",
+    "KILL_S",
     "MAX_TOKENS",
     "QUEUE_S",
     "SETTLE_S",
     "Cluster",
     "assert_outcomes",
     "decode_step",
+    "ended_as",
     "first_done",
     "fresh",
     "idle_after",
     "references",
     "sampling",
     "settle",
+    "spread",
     "spread_tokens",
     "start_cluster",
     "timed",
@@ -60,6 +67,11 @@ HEARTBEAT_TIMEOUT_S = 3.0  # the decodes' default kvguard_heartbeat_timeout_s
 QUEUE_S = 15.0
 SETTLE_S = DEADLINE_S + 20.0  # bounds a wait for a server to become idle
 MAX_TOKENS = 8
+# The promises of docs/vllm.md "What a user sees on each failure":
+KILL_S = 1.0  # a killed prefill's loads end this soon after its connections close
+HEARTBEAT_S = 0.5  # the decodes' default kvguard_heartbeat_s
+FREEZE_S = HEARTBEAT_TIMEOUT_S + 1.0  # a frozen prefill's loads end this soon after the freeze
+FAILED = "http 500 InternalServerError"  # policy "fail": a load failure ends the request
 
 
 def spread_tokens(n: int) -> list[int]:
@@ -235,3 +247,21 @@ def transfers(server: Server) -> Counter[tuple[str, str]]:
             labels = dict(_LABEL.findall(key))
             out[labels["outcome"], labels["reason"]] += int(value)
     return +out
+
+
+def spread(seconds: Sequence[float]) -> str:
+    return f"{min(seconds):.2f}/{statistics.median(seconds):.2f}/{max(seconds):.2f}s"
+
+
+def ended_as(
+    server: Server, before: Counter[tuple[str, str]], want: dict[tuple[str, str], int]
+) -> None:
+    """``server``'s kvguard transfers since ``before`` become exactly ``want``
+    (its stats reach /metrics with vLLM's next log interval)."""
+    until = time.monotonic() + SETTLE_S
+    while True:
+        got = dict(transfers(server) - before)
+        if got == want or time.monotonic() > until:
+            break
+        time.sleep(0.25)
+    assert got == want, f"{server.name}: transfers {got}, want {want}\n{server.log_tail(30)}"

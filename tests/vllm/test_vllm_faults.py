@@ -22,14 +22,8 @@ request's HTTP reply) go into the table (``-s``; ``.venv-vllm/vllm-server-table.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import statistics
-import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -37,92 +31,34 @@ import pytest
 from tests.vllm.client import Outcome, complete, prefill_step, prompts_of, run
 from tests.vllm.cluster import (
     DEADLINE_S,
+    FAILED,
+    FREEZE_S,
+    HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
+    KILL_S,
     MAX_TOKENS,
     SETTLE_S,
     Cluster,
     assert_outcomes,
     decode_step,
+    ended_as,
     first_done,
     fresh,
     idle_after,
     references,
     settle,
+    spread,
     spread_tokens,
     timed,
     transfers,
     wait_loading,
 )
 from tests.vllm.report import Row
-from tests.vllm.servers import Server
+from tests.vllm.sessions import FilesClosed, session_pids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-KILL_S = 1.0  # docs/vllm.md: a killed prefill fails its loads in milliseconds
-HEARTBEAT_S = 0.5  # the decodes' default kvguard_heartbeat_s
-FREEZE_S = HEARTBEAT_TIMEOUT_S + 1.0  # the promise for a frozen prefill
-FAILED = "http 500 InternalServerError"  # policy "fail": the load failure ends the request
 WAVE = 8  # loads per decode that meet the fault
-
-
-def spread(seconds: Sequence[float]) -> str:
-    return f"{min(seconds):.2f}/{statistics.median(seconds):.2f}/{max(seconds):.2f}s"
-
-
-class Exits(threading.Thread):
-    """Watches the processes of a process group from before a kill: the
-    monotonic time each one's files were closed (its connections dropped),
-    polled every 2 ms. A SIGKILLed vLLM worker (about 60 threads, 1.7 GB)
-    closes its files only once its last thread is gone and the kernel took
-    its memory back: its main thread is a zombie long before."""
-
-    def __init__(self, pgid: int) -> None:
-        super().__init__(daemon=True)
-        self.pids = [
-            int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _pgrp(d) == pgid
-        ]
-        self.closed: dict[int, float] = {}
-
-    def run(self) -> None:
-        until = time.monotonic() + 30.0
-        while len(self.closed) < len(self.pids) and time.monotonic() < until:
-            for pid in self.pids:
-                if pid not in self.closed and not _has_files(pid):
-                    self.closed[pid] = time.monotonic()
-            time.sleep(0.002)
-
-    def last(self) -> float:
-        self.join(35.0)
-        assert len(self.closed) == len(self.pids), f"open: {set(self.pids) - set(self.closed)}"
-        return max(self.closed.values())
-
-
-def _pgrp(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rpartition(")")[2].split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _has_files(pid: int) -> bool:
-    try:
-        return bool(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return False
-
-
-def ended_as(
-    server: Server, before: Counter[tuple[str, str]], want: dict[tuple[str, str], int]
-) -> None:
-    """``server``'s kvguard transfers since ``before`` become exactly ``want``
-    (its stats reach /metrics with vLLM's next log interval)."""
-    until = time.monotonic() + SETTLE_S
-    while True:
-        got = dict(transfers(server) - before)
-        if got == want or time.monotonic() > until:
-            break
-        time.sleep(0.25)
-    assert got == want, f"{server.name}: transfers {got}, want {want}\n{server.log_tail(30)}"
 
 
 def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
@@ -144,7 +80,7 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     before = {d.name: transfers(d) for d in (c.fail, c.recompute)}
     r_before = c.recompute.tokens_by_source()
 
-    exits: list[Exits] = []
+    exits: list[FilesClosed] = []
 
     async def go() -> tuple[dict[int, tuple[Outcome, float]], float, float]:
         async with aiohttp.ClientSession() as http:
@@ -164,7 +100,7 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
                 for d in (c.fail, c.recompute):
                     await asyncio.to_thread(wait_loading, d, WAVE, HEARTBEAT_TIMEOUT_S)
                 assert c.prefill.proc is not None
-                exits.append(Exits(c.prefill.proc.pid))
+                exits.append(FilesClosed(session_pids(c.prefill.proc.pid)))
                 exits[0].start()
                 c.prefill.signal(signal.SIGKILL)
                 t_fault = time.monotonic()
@@ -208,9 +144,8 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     rows[0].note = f"{len(took)} loads ended {spread(took)} after the {name.split()[1]}"
     if sig == signal.SIGKILL:
         dead_s = exits[0].last() - t_fault
-        rows[
-            0
-        ].note += f"; its {len(exits[0].pids)} processes closed their files {dead_s:.2f}s after it"
+        closed = f"{len(exits[0].pids)} processes closed their files {dead_s:.2f}s after it"
+        rows[0].note += f"; its {closed}"
     rows[1].note = f"{recomputed} prompt tokens recomputed"
     c.rows.extend(rows)
     idle_after(c, rows[0])

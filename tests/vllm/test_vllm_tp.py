@@ -13,9 +13,15 @@ arrived in another head's place) changes the tokens.
 * a fault on one prefill rank (``kvguard_fault_rank``): every request fails
   with that rank's reason, while the other rank's transfers all succeed
   (Prometheus, per outcome), and no block stays in use on either side;
-* one prefill rank's worker killed between the two PD steps: vLLM ends that
-  engine, every decode request fails within its deadline and the decode is
-  idle and still serves.
+* one prefill rank's worker frozen (SIGSTOP) while both decodes load from
+  it: every request fails, its leg from that rank ``peer_lost``, between the
+  heartbeat timeout and the timeout plus 1 s after the freeze;
+* that worker killed while the loads wait on it: they end ``peer_lost``
+  within 1 s of its connections closing (vLLM then ends that engine); the
+  decodes are idle and still serve.
+
+Every setting is the server default (10 s deadline, 3 s heartbeat timeout,
+30 s hold).
 """
 
 from __future__ import annotations
@@ -25,35 +31,35 @@ import os
 import re
 import signal
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
 
-from kvguard.vllm.params import PREFILL_KV_TRANSFER_PARAMS
 from tests.vllm import servers as harness
-from tests.vllm.client import Outcome, ask_all, complete, pd, prompts_of, run
+from tests.vllm.client import Outcome, ask_all, complete, pd, prefill_step, prompts_of, run
+from tests.vllm.cluster import (
+    DEADLINE_S,
+    FAILED,
+    FREEZE_S,
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    KILL_S,
+    MAX_TOKENS,
+    SETTLE_S,
+    decode_step,
+    spread,
+    timed,
+    transfers,
+    wait_loading,
+)
 from tests.vllm.ports import free_port
 from tests.vllm.servers import SERVES_KV, Server, kv_config
+from tests.vllm.sessions import FilesClosed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
-# Generous on purpose: these tests check where KV goes, not how fast. Six
-# worker processes share two cores (docs/vllm.md, "Several servers on one
-# small host"), and this module starts and stops the most memory of any:
-# on the project's VM, memory churn froze every process for 5-30 s at a
-# time (a 0.1 s sleeper woke 29 s late), far past a 10 s heartbeat.
-# In CI a TP 1 prefill then answered nothing for 38 s while the VM itself
-# ran (its pages, idle for minutes, faulting back in), past a 30 s heartbeat.
-DEADLINE_S = 120.0  # with kvguard_max_deadline_s raised to match
-HEARTBEAT_TIMEOUT_S = 60.0
-HOLD_S = 240.0  # within kvguard_max_hold_s (300 s)
-SETTLE_S = DEADLINE_S + 60.0
-# The proxy's prefill leg outlives a freeze as the loads do.
-PROXY_ARGS = ["--prefill-timeout-s", str(2 * DEADLINE_S)]
-MAX_TOKENS = 8
 TP2 = ["--tensor-parallel-size", "2"]
 # vLLM's CPU worker binds each rank's whole process to the rank's cores, and
 # kvguard's threads (sender, receiver, engine) with it. On two cores shared
@@ -80,31 +86,17 @@ class Servers:
 
 
 def prefill_kv(port: int, **extra: object) -> dict[str, object]:
-    # A held prefill outlives a decode engine that did not step for 27 s in
-    # CI (its renewals stopped with it), within kvguard_max_hold_s (300 s).
-    return kv_config(
-        "kv_producer",
-        kvguard_control_port=port,
-        kvguard_deadline_s=DEADLINE_S,
-        kvguard_max_deadline_s=DEADLINE_S,
-        kvguard_hold_s=HOLD_S,
-        **extra,
-    )
+    return kv_config("kv_producer", kvguard_control_port=port, **extra)
 
 
 @pytest.fixture(scope="module")
 def servers(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Servers]:
     monkeypatch_module.setattr(harness, "START_S", START_S)
-    kv = {
-        "kvguard_deadline_s": DEADLINE_S,
-        "kvguard_max_deadline_s": DEADLINE_S,
-        "kvguard_heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-    }
     s = Servers(
         p2=Server("tp-prefill-2", prefill_kv(free_port(span=2)), args=TP2, env=NOBIND),
         p1=Server("tp-prefill-1", prefill_kv(free_port())),
-        d2=Server("tp-decode-2", kv_config("kv_consumer", **kv), args=TP2, env=NOBIND),
-        d1=Server("tp-decode-1", kv_config("kv_consumer", **kv)),
+        d2=Server("tp-decode-2", kv_config("kv_consumer"), args=TP2, env=NOBIND),
+        d1=Server("tp-decode-1", kv_config("kv_consumer")),
     )
     try:
         harness.start_all(s.all)
@@ -134,23 +126,14 @@ def references(decode: Server, prompts: Sequence[Sequence[int]]) -> list[list[in
     return [list(o.tokens or ()) for o in outs]
 
 
-_SAMPLE = re.compile(r'(\w+)="([^"]*)"')
-
-
-def transfers(server: Server) -> Counter[tuple[str, str]]:
-    """``vllm:kvguard_transfers_total`` by (outcome, reason), every rank together."""
-    out: Counter[tuple[str, str]] = Counter()
-    for key, value in server.metrics().items():
-        if key.startswith("vllm:kvguard_transfers_total{"):
-            labels = dict(_SAMPLE.findall(key))
-            out[labels["outcome"], labels["reason"]] += int(value)
-    return +out
-
-
 def ensure(server: Server, kv: dict[str, object]) -> None:
-    """``server`` running with the connector settings ``kv``: restarted if not."""
+    """``server`` running with the connector settings ``kv``: restarted for
+    other settings. One found dead fails the test with its log: a test that
+    kills a server restarts it itself."""
     assert server.proc is not None
-    if server.kv != kv or server.proc.poll() is not None:
+    if server.proc.poll() is not None:
+        pytest.fail(f"{server.name} exited {server.proc.returncode}:\n{server.log_tail()}")
+    if server.kv != kv:
         server.kv = kv
         server.restart()
 
@@ -173,13 +156,85 @@ def test_every_pairing_loads_every_head(servers: Servers, prefill: str, decode: 
     want = references(d, prompts)
     fresh(p, d)
     before = d.tokens_by_source()
-    outs = ask_all(p, d, prompts, MAX_TOKENS, timeout_s=4 * DEADLINE_S, proxy_args=PROXY_ARGS)
+    outs = ask_all(p, d, prompts, MAX_TOKENS, timeout_s=4 * DEADLINE_S)
     bad = [(i, o) for i, (o, w) in enumerate(zip(outs, want, strict=True)) if o.tokens != w]
     assert not bad, f"{p.name} -> {d.name}: {bad[:4]}\n{servers.logs()}"
     moved = d.tokens_by_source() - before
     assert moved == {"external_kv_transfer": sum(len(q) for q in prompts)}, moved
     for server in (p, d):
         server.wait_idle(SETTLE_S)
+
+
+def _rank_fault(s: Servers, sig: signal.Signals) -> None:
+    """Both decodes (TP 2 and TP 1) load 4 requests each from the TP 2
+    prefill whose rank 1 worker is frozen; with ``SIGKILL`` it is killed
+    once every load waits on it, before any heartbeat could drop its links.
+    Every request fails (one leg of each is lost) with the reason and bound
+    of a whole prefill's fault."""
+    ensure(s.p2, clean_kv(s))
+    decodes = [s.d2] * 4 + [s.d1] * 4
+    prompts = prompts_of(len(decodes), seed=80 + sig)
+    fresh(s.p2, s.d2, s.d1)
+    before = {d.name: transfers(d) for d in (s.d2, s.d1)}
+    worker = rank_pid(s.p2, 1)
+    closed = FilesClosed([worker])
+
+    async def go() -> tuple[list[tuple[Outcome, float]], float, float]:
+        async with aiohttp.ClientSession() as http:
+            steps = await asyncio.gather(*(prefill_step(http, s.p2, q) for q in prompts))
+            assert all(o.kind == "ok" and kv for o, kv in steps), steps
+            os.kill(worker, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            tasks = [
+                asyncio.create_task(timed(decode_step(http, d, q, MAX_TOKENS, kv)))
+                for d, q, (_, kv) in zip(decodes, prompts, steps, strict=True)
+            ]
+            t_fault = t_stop
+            if sig == signal.SIGKILL:
+                for d in (s.d2, s.d1):
+                    await asyncio.to_thread(wait_loading, d, 4, HEARTBEAT_TIMEOUT_S)
+                closed.start()
+                os.kill(worker, signal.SIGKILL)
+                t_fault = time.monotonic()
+                assert t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, t_fault - t_stop
+                assert not any(t.done() for t in tasks), "a load ended before the kill"
+            return list(await asyncio.gather(*tasks)), t_stop, t_fault
+
+    try:
+        outs, t_stop, t_fault = run(go())
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(worker, signal.SIGCONT)
+    try:
+        took = [t - t_fault for _, t in outs]
+        what = f"{len(took)} requests ended {spread(took)} after the rank's {sig.name}"
+        if sig == signal.SIGKILL:
+            what += f"; it closed its files {closed.last() - t_fault:.2f}s after the kill"
+        print(f"\n{what}")
+        assert [o.kind for o, _ in outs] == [FAILED] * len(outs), (outs, s.logs())
+        if sig == signal.SIGKILL:
+            assert min(took) >= 0 and max(took) <= closed.last() - t_fault + KILL_S, what
+            assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
+        else:
+            assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
+            assert max(took) <= FREEZE_S, what
+        for d in (s.d2, s.d1):
+            lost = (transfers(d) - before[d.name])[("failed", "peer_lost")]
+            assert lost == 4, f"{d.name}: {lost} legs peer_lost, want 4 (one per request)"
+            d.wait_idle(SETTLE_S)
+    finally:
+        if sig == signal.SIGKILL:
+            s.p2.restart()  # vLLM ended the engine that lost a worker
+    check_serves(s.p2, s.d2)
+    check_serves(s.p2, s.d1)
+
+
+def test_one_prefill_rank_frozen_fails_its_loads_at_the_heartbeat_timeout(servers: Servers) -> None:
+    _rank_fault(servers, signal.SIGSTOP)
+
+
+def test_one_prefill_rank_killed_fails_its_waiting_loads_within_1s(servers: Servers) -> None:
+    _rank_fault(servers, signal.SIGKILL)
 
 
 def test_a_fault_on_one_prefill_rank_fails_every_request(servers: Servers) -> None:
@@ -215,41 +270,6 @@ def test_a_fault_on_one_prefill_rank_fails_every_request(servers: Servers) -> No
     failed = {r: n for (o, r), n in d_moved.items() if o == "failed"}
     assert sum(failed.values()) == len(prompts), (d_moved, time.monotonic() - t0)
     # The request still serves through the TP 1 prefill, and after a clean restart.
-    check_serves(s.p1, s.d2)
-
-
-def test_killing_one_prefill_rank_between_the_steps(servers: Servers) -> None:
-    s = servers
-    ensure(s.p2, clean_kv(s))
-    prompts = prompts_of(4, seed=70)
-    fresh(s.p2, s.d2)
-
-    async def prefill_all() -> list[dict[str, object]]:
-        async with aiohttp.ClientSession() as http:
-            firsts = await asyncio.gather(
-                *(complete(http, s.p2, q, 1, dict(PREFILL_KV_TRANSFER_PARAMS)) for q in prompts)
-            )
-        assert all(o.kind == "ok" and params for o, params in firsts), firsts
-        return [dict(params or {}) for _, params in firsts]
-
-    params = run(prefill_all())
-    worker = rank_pid(s.p2, 1)
-    os.kill(worker, signal.SIGKILL)
-
-    async def decode_all() -> list[Outcome]:
-        async with aiohttp.ClientSession() as http:
-            pairs = await asyncio.gather(
-                *(
-                    complete(http, s.d2, q, MAX_TOKENS, dict(kv), timeout_s=4 * DEADLINE_S)
-                    for q, kv in zip(prompts, params, strict=True)
-                )
-            )
-        return [o for o, _ in pairs]
-
-    outs = run(decode_all())
-    assert all(o.kind == "http 500 InternalServerError" for o in outs), (outs, s.logs())
-    assert max(o.seconds for o in outs) < DEADLINE_S + 5, outs
-    s.d2.wait_idle(SETTLE_S)
     check_serves(s.p1, s.d2)
 
 

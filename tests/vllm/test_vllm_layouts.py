@@ -1,0 +1,180 @@
+"""Every KV cache layout vLLM 0.32 resolves, moved between two processes over
+the real Mooncake engine, for every tensor parallel pairing the layout allows.
+
+The views are vLLM's own (``create_kv_cache_views``, through
+``tests/vllm/layout_peer.vllm_views``), described by ``kvguard.vllm.kv_views``
+exactly as the connector's ``register_kv_caches`` does. The prefill ranks
+live in this process on one engine; each decode rank is a
+``tests.vllm.layout_peer`` child with its own engine. After the legs'
+plans (``tests/layout_helpers.tp_plans``: ``ranks.legs``,
+``ranks.block_slice``, ``build_plan``) land, each decode head's bytes in
+every layer equal the prefill's, head for head. A pairing the layout
+cannot do is refused naming both sizes and the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvguard.vllm.kv_views import KVGeometry, describe
+from kvguard.vllm.ranks import RankHeads
+from tests.layout_helpers import LAYOUTS, tp_plans
+from tests.mooncake_helpers import prefill_backend, requires_mooncake
+from tests.vllm.layout_peer import head_digests, kernel_of, vllm_views
+from transfer import KVCache
+from transfer.mooncake import MooncakeBackend
+from transfer.peer_protocol import peer_info_from_message
+
+pytestmark = [pytest.mark.mooncake, requires_mooncake]
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADS, LAYERS, SRC_BLOCKS, DST_BLOCKS = 4, 3, 6, 8
+SRC, DST = [0, 1, 2, 5], [3, 4, 5, 7]  # a run of three blocks and a lone one
+WAIT = 30.0
+HEAD_RUN = ("LBHNC", "BHLNC")  # a rank's heads are one run of each unit
+ROWS: list[str] = []  # the table printed at the end (docs: layout x TP -> bytes equal)
+
+
+class Peer:
+    """A ``tests.vllm.layout_peer`` child: one decode rank in another process."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.layout_peer"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.session_id = str(self._read(120.0)["ready"])
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        out = self.proc.stdout
+        assert out is not None
+        while True:  # vLLM may log to stdout: replies are the JSON lines
+            ready, _, _ = select.select([out], [], [], timeout)
+            assert ready, f"layout peer pid {self.proc.pid} said nothing in {timeout}s"
+            line = out.readline()
+            assert line, f"layout peer pid {self.proc.pid} exited {self.proc.poll()}"
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(WAIT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[MooncakeBackend]:
+    with prefill_backend() as b:
+        yield b
+    print("\n| layout | variant | prefill TP -> decode TP | bytes equal | entries/request |")
+    print("|---|---|---|---|---|")
+    print("\n".join(ROWS))
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    try:
+        for _ in range(4):
+            started.append(Peer())
+        yield started
+    finally:
+        for p in started:
+            p.stop()
+
+
+def _views(name: str, blocks: int, heads: int, variant: str) -> dict[str, Any]:
+    kw: dict[str, Any] = {"name": name, "layers": LAYERS, "blocks": blocks, "heads": heads}
+    if variant == "kernel":
+        kw["kernel"] = 8  # --block-size 16 on kernel blocks of 8
+    elif variant == "padded":
+        kw["padded_page"] = heads * 16 * 32 + 256  # the page plus 256 bytes
+    elif variant == "mla":
+        kw["mla"] = True
+    return kw
+
+
+PAIRS = [(1, 1), (2, 2), (4, 4), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+CASES = (
+    [(n, "plain", p, d) for n in LAYOUTS for p, d in PAIRS]
+    + [(n, "kernel", p, d) for n in ("LBHNC", "LBNHC") for p, d in [(1, 1), (2, 2), (2, 1)]]
+    + [(n, "padded", p, d) for n in ("LBHNC", "BLHNC", "BLNHC") for p, d in PAIRS[:5]]
+    + [(n, "mla", p, d) for n in LAYOUTS for p, d in [(1, 1), (2, 2)]]
+)
+
+
+@pytest.mark.parametrize(("name", "variant", "p_size", "d_size"), CASES)
+def test_every_head_lands_once_and_intact(
+    backend: MooncakeBackend,
+    peers: list[Peer],
+    name: str,
+    variant: str,
+    p_size: int,
+    d_size: int,
+) -> None:
+    heads = 1 if variant == "mla" else HEADS
+    prefill: list[tuple[KVGeometry, KVCache]] = []
+    prefill_views: list[list[torch.Tensor]] = []
+    try:
+        for p in range(p_size):
+            kw = _views(name, SRC_BLOCKS, max(1, heads // p_size), variant)
+            raw, views = vllm_views(**kw)
+            raw.random_(-128, 127)
+            geo = describe(views, name, SRC_BLOCKS)
+            cache = geo.cache()
+            backend.register(cache)
+            prefill.append((geo, cache))
+            prefill_views.append(views)
+        entries = 0
+        for d in range(d_size):
+            me = RankHeads(d, d_size, heads)
+            reply = peers[d].ask({"op": "setup", "views": _views(name, DST_BLOCKS, me.count, variant)})
+            info = peer_info_from_message(bytes.fromhex(reply["peer"]))
+            backend.add_peer(info)
+            unequal = p_size != d_size and not (name in HEAD_RUN and variant in ("plain", "padded"))
+            if unequal:
+                why = rf"size {p_size} and decode size {d_size}.* the {name}"
+                with pytest.raises(ValueError, match=why):
+                    tp_plans(name, prefill, me, info, SRC, DST)
+                ROWS.append(f"| {name} | {variant} | {p_size} -> {d_size} | refused | - |")
+                return
+            for _, plan in tp_plans(name, prefill, me, info, SRC, DST):
+                entries += plan.num_entries
+                op = backend.submit(plan)
+                op.result(timeout=WAIT)
+                assert op.wait_quiesced(5.0)
+            got = peers[d].ask({"op": "heads", "blocks": DST})["heads"]
+            for i, s in enumerate(SRC):
+                for h in range(me.count):  # head for head, every layer's bytes of it
+                    head = me.first + h
+                    p = d if p_size == d_size else head // (heads // p_size)
+                    mine = RankHeads(p, p_size, heads)
+                    views = prefill_views[p]
+                    want = head_digests(views, [s], kernel_of(views, SRC_BLOCKS))[0]
+                    assert got[i][h] == want[head - mine.first], (name, variant, s, head)
+        ROWS.append(f"| {name} | {variant} | {p_size} -> {d_size} | yes | {entries} |")
+    finally:
+        for _, cache in prefill:
+            backend.unregister(cache)
