@@ -93,4 +93,12 @@ class Settings:
 
     def make_backend(self) -> MooncakeBackend:
         # MC_FORCE_TCP would override the protocol: set it only when TCP is asked for.
-        return MooncakeBackend(self.host, protocol=self.protocol, force_tcp=self.protocol == "tcp")
+        # A peer that answers no probe for the heartbeat timeout is gone: the
+        # same bound as a silent link, so a slow host's first handshake is not
+        # a lost peer sooner than a frozen one is.
+        return MooncakeBackend(
+            self.host,
+            protocol=self.protocol,
+            force_tcp=self.protocol == "tcp",
+            probe_timeout_s=self.heartbeat_timeout_s,
+        )

@@ -82,7 +82,10 @@ class Servers:
         return [self.p2, self.p1, self.d2, self.d1]
 
     def logs(self) -> str:
-        return "\n".join(f"--- {s.name} log\n{s.log_tail(25)}" for s in self.all)
+        ours = "prefill_link|kv_load|hold_|push_|peer_"
+        return "\n".join(
+            f"--- {s.name} kvguard events\n{s.log_tail(15, grep=ours)}" for s in self.all
+        ) + "\n".join(f"\n--- {s.name} log\n{s.log_tail(25)}" for s in self.all)
 
 
 def prefill_kv(port: int, **extra: object) -> dict[str, object]:
@@ -216,8 +219,8 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
             assert min(took) >= 0 and max(took) <= closed.last() - t_fault + KILL_S, what
             assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
         else:
-            assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
-            assert max(took) <= FREEZE_S, what
+            assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, f"{what}\n{s.logs()}"
+            assert max(took) <= FREEZE_S, f"{what}\n{s.logs()}"
         for d in (s.d2, s.d1):
             lost = (transfers(d) - before[d.name])[("failed", "peer_lost")]
             assert lost == 4, f"{d.name}: {lost} legs peer_lost, want 4 (one per request)"
