@@ -5,9 +5,11 @@
 #   ../.venv/bin/mutmut results
 # It copies the checkout to $WORK (default /tmp/kvguard-mutmut-handoff),
 # points [tool.mutmut] at the cores and at their tests -- the examples
-# (tests/test_handoff_cores.py) and the simulation, whose hypothesis search
-# runs KVGUARD_SIM_EXAMPLES worlds per mutant (60 unless set) -- and runs
-# mutmut there. A mutant only has to be detected: no shrinking.
+# (tests/test_handoff_cores.py; the edges and log lines in
+# tests/test_handoff_{prefill_edges,decode_edges,logs}.py) and the
+# simulation, whose hypothesis search runs KVGUARD_SIM_EXAMPLES worlds per
+# mutant (60 unless set) -- and runs mutmut there. A mutant only has to be
+# detected: no shrinking.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="${WORK:-/tmp/kvguard-mutmut-handoff}"
@@ -35,6 +37,9 @@ timeout_multiplier = 4.0
 also_copy = ["docs/", "lifecycle/", "scheduler/", "transfer/", "kvguard/", "benchmarks/"]
 pytest_add_cli_args_test_selection = [
     "tests/test_handoff_cores.py",
+    "tests/test_handoff_prefill_edges.py",
+    "tests/test_handoff_decode_edges.py",
+    "tests/test_handoff_logs.py",
     "tests/test_handoff_sim.py::test_the_clean_cores_pass_the_same_seeds",
     "tests/test_handoff_sim.py::test_random_worlds_keep_every_invariant",
     "tests/test_pd_protocol.py",

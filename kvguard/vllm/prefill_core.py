@@ -153,7 +153,7 @@ class PrefillCore:
         """A decode's message (validated); ``wall`` is ``time.time()`` now."""
         out: list[PrefillAction] = []
         if isinstance(msg, Abort):
-            self._abort(ident, msg, now, out)
+            self._abort(ident, msg, out)
         elif isinstance(msg, Renew):
             self._renew(msg.request_id, now)
         else:
@@ -330,7 +330,7 @@ class PrefillCore:
             )
         )
 
-    def _abort(self, ident: bytes, msg: Abort, now: float, out: list[PrefillAction]) -> None:
+    def _abort(self, ident: bytes, msg: Abort, out: list[PrefillAction]) -> None:
         """The decode gave up ``load_id``: answered once nothing writes its
         blocks. With no load id, one decode request of ``rid``'s group will
         never push. Either settles one request of the group."""
