@@ -49,7 +49,7 @@ def test_the_three_pairings_the_docs_name() -> None:
 @pytest.mark.parametrize(
     ("decode", "prefill_size", "head_major", "match"),
     [
-        (RankHeads(0, 1, 2), 2, False, "differ: that needs heads outermost"),
+        (RankHeads(0, 1, 2), 2, False, "differ: that needs a rank's KV heads to be one run"),
         (RankHeads(0, 4, 2), 2, True, "one does not divide the 2 KV heads"),
         (RankHeads(0, 2, 6), 4, True, "prefill tensor parallel size 4 and decode size 2"),
     ],
@@ -186,3 +186,25 @@ def test_the_first_failure_names_the_request_and_the_slowest_leg_its_latency() -
     assert legs_.recent_outcomes() == [LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.9, True)]
     final = legs_.released("a")
     assert final == Verdict("r", [1], LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.9, True), True)
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), [(1, 2), (1, 4), (2, 4), (3, 4), (2, 2)])
+def test_mla_each_decode_rank_loads_whole_blocks_from_one_prefill_rank(
+    prefill_size: int, decode_size: int
+) -> None:
+    asked: Counter[int] = Counter()
+    for d in range(decode_size):
+        (leg,) = legs(RankHeads(d, decode_size, 1), prefill_size, head_major=False)
+        assert (leg.prefill_rank, leg.whole, leg.count) == (d % prefill_size, True, 1)
+        asked[leg.prefill_rank] += 1
+        assert leg.fan_in == len(
+            [x for x in range(decode_size) if x % prefill_size == d % prefill_size]
+        )
+    assert set(asked) == set(
+        range(prefill_size)
+    )  # every prefill rank is asked, once per decode rank
+
+
+def test_mla_refuses_a_prefill_larger_than_the_decode_naming_both_sizes() -> None:
+    with pytest.raises(ValueError, match=r"prefill tensor parallel size 4 and decode size 2 .*MLA"):
+        legs(RankHeads(0, 2, 1), 4, head_major=True)

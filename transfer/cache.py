@@ -1,8 +1,10 @@
 """The torch tensors that hold a paged KV cache laid out by a ``KVLayout``.
 
 ``KVCache`` binds a layout to memory: one contiguous uint8 tensor per buffer,
-on any device. It gives the addresses a backend registers and a peer
-advertises, and compares block contents after a transfer.
+on any device, or (``KVCache.over``) strided views of larger allocations, for
+a layout whose blocks are not dense pages (``KVLayout.block_stride``). It
+gives the addresses a backend registers and a peer advertises, and compares
+block contents after a transfer.
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ class KVCache:
     except for the final "which blocks differ" answer.
     """
 
-    __slots__ = ("_bases", "device", "layout", "tensors")
+    __slots__ = ("_bases", "device", "layout", "storage", "tensors")
 
     layout: KVLayout
-    tensors: tuple[torch.Tensor, ...]  # uint8, contiguous, len == layout.num_buffers
+    # uint8, len == layout.num_buffers: contiguous and 1-D where the cache
+    # allocated or wrapped them, (num_blocks, block_bytes) views with strides
+    # (layout.stride, 1) for ``over``
+    tensors: tuple[torch.Tensor, ...]
+    # uint8, contiguous, 1-D: what is registered (``regions``); the buffers
+    # themselves for a dense cache, the allocations they lie in for ``over``
+    storage: tuple[torch.Tensor, ...]
     device: torch.device  # every tensor lives here
     _bases: tuple[int, ...]  # data_ptr of each tensor; fixed for the tensors' lifetime
 
@@ -57,6 +65,8 @@ class KVCache:
         """
         if not isinstance(layout, KVLayout):
             raise ValueError(f"KVCache needs a KVLayout, got {type(layout).__name__}")
+        if not layout.dense:
+            raise ValueError(f"KVCache of a strided {layout} needs KVCache.over")
         want = torch.device(device) if device is not None else None
         if tensors is None:
             dev = want if want is not None else torch.device("cpu")
@@ -82,8 +92,57 @@ class KVCache:
                     raise ValueError(f"KVCache buffer {i} is on {v.device}, buffer 0 on {dev}")
             if want is not None and _normalize(want) != _normalize(dev):
                 raise ValueError(f"KVCache tensors are on {dev}, device={want} was asked")
+        self._bind(layout, views, views, dev)
+
+    @classmethod
+    def over(
+        cls, layout: KVLayout, storage: Sequence[torch.Tensor], bases: Sequence[int]
+    ) -> KVCache:
+        """A cache whose buffer ``i`` starts at address ``bases[i]`` inside one of
+        ``storage`` (the allocations to register: any dtype, contiguous), block
+        ``b`` ``b * layout.stride`` bytes further. Nothing is copied: the
+        buffers are strided views. ValueError names a buffer lying in no
+        allocation, or allocations on different devices."""
+        if not isinstance(layout, KVLayout):
+            raise ValueError(f"KVCache needs a KVLayout, got {type(layout).__name__}")
+        if len(bases) != layout.num_buffers:
+            raise ValueError(
+                f"KVCache needs {layout.num_buffers} buffer bases for {layout}, got {len(bases)}"
+            )
+        store = tuple(_as_bytes(t, i) for i, t in enumerate(storage))
+        if not store:
+            raise ValueError("KVCache.over needs at least one storage tensor")
+        dev = store[0].device
+        for i, t in enumerate(store):
+            if t.device != dev:
+                raise ValueError(f"KVCache storage {i} is on {t.device}, storage 0 on {dev}")
+        size, shape = layout.buffer_bytes, (layout.num_blocks, layout.block_bytes)
+        views = []
+        for i, base in enumerate(bases):
+            home = next(
+                (t for t in store if t.data_ptr() <= base <= t.data_ptr() + t.numel() - size),
+                None,
+            )
+            if home is None:
+                raise ValueError(
+                    f"KVCache buffer {i} [{base:#x}, +{size:#x}) lies in no storage tensor"
+                )
+            offset = home.storage_offset() + base - home.data_ptr()
+            views.append(torch.as_strided(home, shape, (layout.stride, 1), offset))
+        cache = cls.__new__(cls)
+        cache._bind(layout, tuple(views), store, dev)
+        return cache
+
+    def _bind(
+        self,
+        layout: KVLayout,
+        views: tuple[torch.Tensor, ...],
+        storage: tuple[torch.Tensor, ...],
+        dev: torch.device,
+    ) -> None:
         self.layout = layout
         self.tensors = views
+        self.storage = storage
         self.device = dev
         self._bases = tuple(v.data_ptr() for v in views)
         # Overlapping buffers would alias blocks and be refused at registration.
@@ -101,9 +160,14 @@ class KVCache:
         return self._bases
 
     def regions(self) -> tuple[Region, ...]:
-        """One region per buffer, layout order: what a backend registers."""
-        size = self.layout.buffer_bytes
-        return tuple(Region(base, size) for base in self._bases)
+        """What a backend registers: one region per buffer (layout order) for a
+        dense cache, one per storage tensor for ``over``."""
+        return tuple(Region(t.data_ptr(), t.numel()) for t in self.storage)
+
+    def rows(self, buffer: int) -> torch.Tensor:
+        """Buffer ``buffer`` as a (num_blocks, block_bytes) uint8 view."""
+        lay = self.layout
+        return self.tensors[buffer].view(lay.num_blocks, lay.block_bytes)
 
     def _check(self, buffer: int, block: int) -> None:
         if not _is_int(buffer) or not 0 <= buffer < self.layout.num_buffers:
@@ -113,13 +177,12 @@ class KVCache:
 
     def block_addr(self, buffer: int, block: int) -> int:
         self._check(buffer, block)
-        return self._bases[buffer] + block * self.layout.block_bytes
+        return self._bases[buffer] + block * self.layout.stride
 
     def block(self, buffer: int, block: int) -> torch.Tensor:
         """A view (not a copy) of one block's bytes."""
         self._check(buffer, block)
-        size = self.layout.block_bytes
-        return self.tensors[buffer][block * size : (block + 1) * size]
+        return self.rows(buffer)[block]
 
     def peer_info(self, session_id: str) -> PeerInfo:
         """What this cache advertises when it is the destination of transfers."""
@@ -136,12 +199,12 @@ class KVCache:
         """
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        if self.storage is not self.tensors:  # ``over``: every registered byte, gaps too
+            for t in self.storage:
+                _fill(t, gen)
+            return
         for t in self.tensors:
-            words = t.numel() // 8 if t.storage_offset() % 8 == 0 else 0
-            if words:
-                t[: words * 8].view(torch.int64).random_(generator=gen)
-            if words * 8 < t.numel():
-                t[words * 8 :].random_(0, 256, generator=gen)
+            _fill(t, gen)
 
     def blocks_equal(
         self, other: KVCache, src_blocks: Sequence[int], dst_blocks: Sequence[int]
@@ -164,12 +227,21 @@ class KVCache:
         src_idx = _block_index(src_blocks, a.num_blocks, "source", self.device)
         dst_idx = _block_index(dst_blocks, b.num_blocks, "destination", other.device)
         differs = torch.zeros(len(dst_blocks), dtype=torch.bool, device=self.device)
-        for mine, theirs in zip(self.tensors, other.tensors, strict=True):
-            lhs = mine.view(a.num_blocks, a.block_bytes).index_select(0, src_idx)
-            rhs = theirs.view(b.num_blocks, b.block_bytes).index_select(0, dst_idx)
+        for i in range(a.num_buffers):
+            lhs = self.rows(i).index_select(0, src_idx)
+            rhs = other.rows(i).index_select(0, dst_idx)
             differs |= (lhs != rhs.to(self.device)).any(dim=1)
         bad = differs.nonzero().flatten().tolist()
         return sorted({int(dst_blocks[i]) for i in bad})
+
+
+def _fill(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Pseudo-random bytes into contiguous uint8 ``t``, int64 words where aligned."""
+    words = t.numel() // 8 if t.storage_offset() % 8 == 0 else 0
+    if words:
+        t[: words * 8].view(torch.int64).random_(generator=gen)
+    if words * 8 < t.numel():
+        t[words * 8 :].random_(0, 256, generator=gen)
 
 
 def _normalize(dev: torch.device) -> tuple[str, int]:

@@ -41,8 +41,8 @@ __all__ = ["LocalBackend"]
 
 
 class _AddressMap:
-    """Immutable index from addresses to (buffer tensor, offset): a ``RegionIndex``
-    over the caches' buffers, with the tensor of each."""
+    """Immutable index from addresses to (storage tensor, offset): a ``RegionIndex``
+    over the caches' registered regions, with the tensor of each."""
 
     __slots__ = ("_bases", "_index", "_tensors")
 
@@ -54,7 +54,7 @@ class _AddressMap:
         regions = [r for c in caches for r in c.regions()]
         self._index = RegionIndex(regions)
         self._bases = [r.base for r in regions]
-        self._tensors = [t for c in caches for t in c.tensors]
+        self._tensors = [t for c in caches for t in c.storage]
 
     def resolve(self, addr: int, length: int) -> tuple[torch.Tensor, int] | None:
         """The tensor and offset holding [addr, addr + length), if one buffer does."""

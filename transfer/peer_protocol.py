@@ -94,6 +94,7 @@ class LayoutMessage(_Message, frozen=True):
     num_blocks: _Size
     block_bytes: _Size
     kv_split: bool = True
+    block_stride: Annotated[int, msgspec.Meta(ge=0, le=MAX_ADDR - 1)] = 0  # 0: block_bytes
 
 
 # -- requests (tag field "cmd") -------------------------------------------------------
@@ -196,7 +197,9 @@ def peer_message_of(info: PeerInfo) -> PeerMessage:
     return PeerMessage(
         kvguard=PROTOCOL_VERSION,
         session_id=info.session_id,
-        layout=LayoutMessage(lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split),
+        layout=LayoutMessage(
+            lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split, lay.block_stride
+        ),
         regions=[(r.base, r.length) for r in info.regions],
         block_base=list(info.block_base),
     )
@@ -217,7 +220,9 @@ def peer_info_of(msg: PeerMessage) -> PeerInfo:
     sid = msg.session_id
     lay = msg.layout
     try:
-        layout = KVLayout(lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split)
+        layout = KVLayout(
+            lay.num_layers, lay.num_blocks, lay.block_bytes, lay.kv_split, lay.block_stride
+        )
     except ValueError as exc:
         raise PeerProtocolError(f"peer {sid}: bad layout: {exc}", peer=sid) from exc
     bases = msg.block_base
@@ -298,7 +303,7 @@ def block_digest_bytes(cache: KVCache, blocks: Sequence[int]) -> bytes:
     for i, blk in enumerate(blocks):  # bool and float ids are bugs, not blocks
         if type(blk) is not int or not 0 <= blk < n:
             raise PeerProtocolError(f"blocks[{i}] = {blk!r} out of range [0, {n})")
-    views = [t.view(n, lay.block_bytes) for t in cache.tensors]
+    views = [cache.rows(i) for i in range(lay.num_buffers)]
     if cache.device.type == "cpu":
         return _digest_rows([v.numpy() for v in views], blocks)
     step = max(1, _GATHER_BYTES // (lay.num_buffers * lay.block_bytes))

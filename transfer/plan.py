@@ -12,7 +12,9 @@ becomes one entry per buffer. Runs are found once and replayed over every
 buffer, so planning costs O(blocks) Python steps plus O(runs x buffers)
 vectorised address arithmetic. Runs are not merged across buffers: each
 buffer is its own registered region, and one engine entry must stay inside
-one region.
+one region. A strided layout (``KVLayout.block_stride``: padded pages,
+blocks that span every layer) has gaps between neighbouring blocks: each
+block is its own entry per buffer.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def build_plan(
     if len(src_blocks) == 1:  # a tiny request: same plan, without sorting or coalescing
         return _assemble_one(src, peer, src_blocks[0], dst_blocks[0], max_batch_entries, cut)
     runs = _coalesce(src_blocks, dst_blocks)
-    if not _whole(cut):  # slices of neighbouring blocks are not contiguous
+    if not (_whole(cut) and src.layout.dense and peer.layout.dense):
+        # slices of neighbouring blocks, or strided blocks, are not contiguous
         runs = [(s + k, d + k, 1) for s, d, n in runs for k in range(n)]
     return _assemble(src, peer, runs, len(src_blocks), max_batch_entries, cut)
 
@@ -229,12 +232,12 @@ def _check_peer_regions(peer: PeerInfo, lo_blk: int, hi_blk: int, blocks: Sequen
     in one region. Otherwise check block by block, which is exact.
     """
     regions = RegionIndex(peer.regions)
-    size = peer.layout.block_bytes
+    size, stride = peer.layout.block_bytes, peer.layout.stride
     for i, base in enumerate(peer.block_base):
-        if regions.contains(base + lo_blk * size, (hi_blk - lo_blk + 1) * size):
+        if regions.contains(base + lo_blk * stride, (hi_blk - lo_blk) * stride + size):
             continue
         for blk in blocks:
-            addr = base + blk * size
+            addr = base + blk * stride
             if not regions.contains(addr, size):
                 raise RemoteRangeRejected(
                     f"destination block {blk} of buffer {i} at [{addr:#x}, {addr + size:#x}) "
@@ -272,7 +275,8 @@ def _assemble(
 ) -> TransferPlan:
     """Replay the runs over every buffer (buffer-major) and cut into batches.
     A run longer than one block is only ever of whole blocks (``_whole``)."""
-    src_size, dst_size, src_off, dst_off, length = cut
+    _, _, src_off, dst_off, length = cut
+    src_size, dst_size = src.layout.stride, peer.layout.stride
     src_bases = [b + src_off for b in src.buffer_bases()]
     dst_bases = [b + dst_off for b in peer.block_base]
     src_addr: list[int]
@@ -304,8 +308,9 @@ def _assemble_one(
     src: KVCache, peer: PeerInfo, src_blk: int, dst_blk: int, max_batch_entries: int, cut: _Cut
 ) -> TransferPlan:
     """``_assemble`` for one validated pair: one entry per buffer."""
-    src_size, dst_size, src_off, dst_off, length = cut
-    s, d = src_blk * src_size + src_off, dst_blk * dst_size + dst_off
+    _, _, src_off, dst_off, length = cut
+    s = src_blk * src.layout.stride + src_off
+    d = dst_blk * peer.layout.stride + dst_off
     src_addr = tuple([b + s for b in src.buffer_bases()])
     dst_addr = tuple([b + d for b in peer.block_base])
     lengths = (length,) * len(src_addr)

@@ -37,6 +37,9 @@ The rest is vLLM-free and type-checked with kvguard:
 * ``ranks``: tensor parallelism -- which KV heads each rank holds, which
   prefill ranks write a decode rank's blocks (its *legs*) and where they
   listen.
+* ``kv_views``: vLLM's per-layer KV cache views, in any of its six
+  layouts, as kvguard buffers (which bytes of each block move, in how many
+  engine entries), the layout fingerprint, and the refusal of hybrid models.
 * ``decode_legs``: a decode request's load across its legs -- loaded only
   when every leg loaded, failed only once no leg may still write.
 

@@ -27,9 +27,13 @@ Push model, one request::
     decode worker       finished_recving, and failed_recving if it failed:
                         kv_load_failure_policy decides (error or recompute)
 
-Limits: one KV cache group (no hybrid models), CPU or CUDA tensors that are
-contiguous per layer; prefill and decode of different tensor parallel sizes
-need heads outermost in a block (vLLM's LBHNC layout).
+Layouts: it asks vLLM for ``LBHNC`` (``get_required_kvcache_layout``, as
+NixlConnector does; nothing for MLA) and moves whatever vLLM resolves
+anyway (``kv_views``: strided views, blocks spanning every layer, kernel
+blocks, padded pages). Limits: one KV cache group (no hybrid models);
+prefill and decode of different tensor parallel sizes need a rank's heads
+to be one run inside a block (``LBHNC``, ``BHLNC``), and both sides the
+same layout.
 """
 
 from __future__ import annotations
@@ -99,6 +103,17 @@ class KVGuardConnector(KVConnectorBase_V1):
             )
         else:
             raise ValueError(f"KVGuardConnector has no side for role {role}")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``LBHNC``: heads outermost in each layer's page, so prefill and
+        decode of different tensor parallel sizes pair, and each block is
+        one entry per layer. None for MLA (one latent head: any layout pairs
+        alike) and where there is no model to ask about."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"
 
     def _scheduler(self) -> KVGuardScheduler:
         assert self.connector_scheduler is not None, "a scheduler-side hook on a worker"

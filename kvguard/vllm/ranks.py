@@ -10,16 +10,21 @@ such rank, each writing the overlap into the same decode blocks.
 * equal sizes: decode rank r has one leg, to prefill rank r, whole blocks;
 * prefill 2, decode 1: the decode rank has two legs, each a half of its blocks;
 * prefill 1, decode 2: each decode rank has one leg to prefill rank 0, which
-  is asked twice per request (``fan_in`` 2) and writes a half each time.
+  is asked twice per request (``fan_in`` 2) and writes a half each time;
+* one latent head (MLA), replicated on every rank: decode rank r has one
+  leg, whole blocks from prefill rank ``r % prefill size`` (a prefill larger
+  than the decode is refused: its extra ranks would never be asked).
 
 ``Pairing`` turns a decode load's ``Source`` (rank 0's endpoint, the
 prefill's size) into its legs, each with its prefill rank's endpoint
 (``rank_endpoint``: rank 0's port + rank).
 
-A slice of a block is contiguous only where heads are outermost inside it
-(vLLM's ``LBHNC`` layout, the CPU backend's); other layouts pair equal sizes
-only. A size that does not divide the head count pairs equal sizes only
-(vLLM replicates heads across the extra ranks).
+A slice of a block is contiguous only where a rank's heads are one run of
+every unit of a block (``kv_views``: heads outermost in it, vLLM's ``LBHNC``
+and ``BHLNC`` layouts); other layouts pair equal sizes only, and a pairing
+of other sizes is refused naming both sizes and the layout. A size that
+does not divide the head count pairs equal sizes only (vLLM replicates
+heads across the extra ranks).
 """
 
 from __future__ import annotations
@@ -86,13 +91,16 @@ class Leg:
     whole: bool  # the same heads on both ranks: whole blocks
 
 
-def legs(decode: RankHeads, prefill_size: int, head_major: bool) -> list[Leg]:
-    """The legs of a load on ``decode`` from a prefill of ``prefill_size`` ranks.
+def legs(decode: RankHeads, prefill_size: int, head_major: bool, layout: str = "") -> list[Leg]:
+    """The legs of a load on ``decode`` from a prefill of ``prefill_size`` ranks
+    (``layout``: the KV cache layout's name, for the error).
 
-    Raises ValueError naming both sizes for a pairing that cannot work.
+    Raises ValueError naming both sizes (and the layout) for a pairing that cannot work.
     """
     if prefill_size == decode.size:
         return [Leg(decode.rank, 0, 0, decode.count, 1, True)]
+    if decode.heads == 1:  # one latent head (MLA), whole on every rank of both sides
+        return [_latent_leg(decode, prefill_size)]
     prefill = [RankHeads(p, prefill_size, decode.heads) for p in range(prefill_size)]
     if not (decode.splits and prefill[0].splits):
         raise ValueError(
@@ -102,7 +110,9 @@ def legs(decode: RankHeads, prefill_size: int, head_major: bool) -> list[Leg]:
     if not head_major:
         raise ValueError(
             f"prefill tensor parallel size {prefill_size} and decode size {decode.size} "
-            "differ: that needs heads outermost in a block (vLLM's LBHNC KV cache layout)"
+            "differ: that needs a rank's KV heads to be one run inside a block, and they are "
+            f"not in the {layout or 'resolved'} KV cache layout (they are in LBHNC and BHLNC "
+            "without kernel blocks)"
         )
     ranks = [RankHeads(d, decode.size, decode.heads) for d in range(decode.size)]
     out = []
@@ -113,6 +123,20 @@ def legs(decode: RankHeads, prefill_size: int, head_major: bool) -> list[Leg]:
             fan_in = sum(a < b for a, b in (_overlap(p, d) for d in ranks))
             out.append(Leg(p.rank, lo - p.first, lo - decode.first, hi - lo, fan_in, False))
     return out
+
+
+def _latent_leg(decode: RankHeads, prefill_size: int) -> Leg:
+    """MLA: decode rank r loads whole blocks from prefill rank ``r % prefill_size``
+    alone (no block written twice), which every decode rank congruent to it asks."""
+    if prefill_size > decode.size:
+        raise ValueError(
+            f"prefill tensor parallel size {prefill_size} and decode size {decode.size} "
+            "differ: with one latent KV head (MLA) each decode rank loads from one "
+            f"prefill rank, and the prefill's ranks from {decode.size} on would hold "
+            "blocks that no decode rank asks for"
+        )
+    p = decode.rank % prefill_size
+    return Leg(p, 0, 0, 1, len(range(p, decode.size, prefill_size)), True)
 
 
 def block_slice(
@@ -172,9 +196,10 @@ class Pairing:
     of each load and the prefill ranks' endpoints. The one place where a
     load's ``Source`` becomes ranks and addresses."""
 
-    def __init__(self, me: RankHeads, head_major: bool) -> None:
+    def __init__(self, me: RankHeads, head_major: bool, layout: str = "") -> None:
         self.me = me
         self.head_major = head_major
+        self.layout = layout  # the KV cache layout's name, for errors
         self._legs: dict[int, list[Leg] | ValueError] = {}  # prefill TP size -> legs, or why not
 
     def legs(self, source: Source) -> list[Leg]:
@@ -184,7 +209,7 @@ class Pairing:
         size = source.tp_size
         if size not in self._legs:
             try:
-                self._legs[size] = legs(self.me, size, self.head_major)
+                self._legs[size] = legs(self.me, size, self.head_major, self.layout)
             except ValueError as exc:
                 self._legs[size] = exc
         got = self._legs[size]

@@ -24,11 +24,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import group_kernel_blocks
-from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
 from scheduler import RetryPolicy
-from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout
+from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache
 from transfer.affinity import parse_cpus, threads_on
 from transfer.backend import TransferBackend
 from transfer.mooncake import MooncakeBackend
@@ -36,6 +35,7 @@ from transfer.peer_protocol import peer_message_of
 
 from .decode_legs import DecodeLegs, Verdict
 from .decode_loads import DecodeReceiver
+from .kv_views import check_groups, describe
 from .metadata import KVGuardMetadata, LoadMeta
 from .prefill_pushes import PrefillSender
 from .ranks import BadEndpoint, Pairing, RankHeads
@@ -65,6 +65,13 @@ def _ephemeral_ports() -> tuple[int, int]:
     except (OSError, ValueError):
         return 0, -1
     return low, high
+
+
+def _attention(spec: object) -> bool:
+    """Whether every layer of a KV cache group's spec is attention (has per-layer views)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return all(isinstance(s, AttentionSpec) for s in spec.kv_cache_specs.values())
+    return isinstance(spec, AttentionSpec)
 
 
 class KVGuardWorker:
@@ -102,58 +109,57 @@ class KVGuardWorker:
     # -- start -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches)
-        tensors = [kv_caches[n] for n in names]
         if self._kv_cache_config is not None:
-            # A kernel block size below --block-size splits each block in dim 0:
-            # view the scheduler's blocks as dim 0, as vLLM's own connectors do.
-            total = self._kv_cache_config.num_blocks
-            tensors = [group_kernel_blocks(t, total) for t in tensors]
-        first = tensors[0]
-        num_blocks = int(first.shape[0])
-        block_bytes = first[0].numel() * first.element_size()
+            check_groups(
+                [
+                    (
+                        type(g.kv_cache_spec).__name__,
+                        len(g.layer_names),
+                        _attention(g.kv_cache_spec),
+                    )
+                    for g in self._kv_cache_config.kv_cache_groups
+                ]
+            )
+        names = sorted(kv_caches)
+        views = [kv_caches[n] for n in names]
         cfg = self._vllm_config
+        # A kernel block size below --block-size splits each block in dim 0:
+        # kv_views regroups the scheduler's blocks, as vLLM's own connectors do.
+        total = self._kv_cache_config.num_blocks if self._kv_cache_config else views[0].shape[0]
+        # The layout vLLM's model runner allocated the views in.
+        layout_name = cfg.cache_config.get_resolved_kv_cache_layout().name
+        geo = describe(views, layout_name, int(total))
         self.rank = RankHeads(
             get_tensor_model_parallel_rank(),
             self.tp_size,
             cfg.model_config.get_total_num_kv_heads(),
         )
-        # Heads outermost in a block: a rank's heads are one slice of it.
-        self.head_major = (
-            cfg.cache_config.get_resolved_kv_cache_layout() is KVCacheLayout.LBHNC
-            and first.dim() > 2
-            and int(first.shape[1]) == self.rank.count
-        )
-        self._pairing = Pairing(self.rank, self.head_major)
+        # A rank's heads one run of every unit of a block: a share is one slice.
+        self.head_major = geo.head_run and geo.heads == self.rank.count
+        self._pairing = Pairing(self.rank, self.head_major, geo.label)
         # What a peer's blocks must match, byte for byte: not the block count,
-        # nor (heads outermost) how many heads each rank holds.
-        head_major = self.head_major
-        shape = "x".join(map(str, first.shape[2:] if head_major else first.shape[1:]))
+        # nor (heads one run) how many heads each rank holds.
         self.compat = (
-            f"{first.dtype}/{'head x ' if head_major else ''}{shape}/layers={len(names)}"
+            f"{geo.fingerprint(len(names), self.head_major)}"
             f"/block_size={cfg.cache_config.block_size}/kv_heads={self.rank.heads}"
         )
-        for n, t in zip(names, tensors, strict=True):
-            if not t.is_contiguous() or t.shape != first.shape or t.dtype != first.dtype:
-                raise ValueError(
-                    f"KVGuardConnector needs one contiguous KV tensor per layer of the "
-                    f"same shape, blocks first; {n} is {tuple(t.shape)} {t.stride()}"
-                )
-        layout = KVLayout(len(names), num_blocks, block_bytes, kv_split=False)
-        self.cache = KVCache(layout, tensors=tensors)
+        layout = geo.layout
+        num_blocks, block_bytes = layout.num_blocks, layout.block_bytes
+        self.cache = geo.cache()
         # Every thread started below inherits the widened mask; this one keeps its own.
         with threads_on(parse_cpus(self.settings.cpus)):
             self._start()
         assert self.backend is not None
         logger.info(
-            "KVGuardConnector %s rank %d/%d (KV heads %d-%d): %d layers x %d blocks x %d bytes "
-            "(%s), Mooncake session %s%s",
+            "KVGuardConnector %s rank %d/%d (KV heads %d-%d): %d units (%s) x %d blocks x %d "
+            "bytes (%s), Mooncake session %s%s",
             "producer" if self.is_producer else "consumer",
             self.rank.rank,
             self.tp_size,
             self.rank.first,
             self.rank.first + self.rank.count - 1,
-            len(names),
+            layout.num_buffers,
+            geo.unit,
             num_blocks,
             block_bytes,
             self.compat,

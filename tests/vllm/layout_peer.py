@@ -33,7 +33,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvguard.vllm.kv_views import KVGeometry, describe
 
-
 RAW_BYTES = 4 << 20  # the child's buffer: enough for every test's views
 
 

@@ -1,0 +1,106 @@
+"""The connector's layout choices: what it asks vLLM for, and what its worker
+makes of each layout vLLM may resolve anyway (views from vLLM's own
+``create_kv_cache_views``, a real Mooncake engine, no server)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import kvguard.vllm.worker as worker_module
+from kvguard.vllm.connector import KVGuardConnector
+from kvguard.vllm.kv_views import LayoutError, describe
+from kvguard.vllm.settings import Settings
+from kvguard.vllm.worker import KVGuardWorker
+from tests.layout_helpers import LAYOUTS
+from tests.mooncake_helpers import requires_mooncake
+from tests.vllm.layout_peer import vllm_views
+
+HEADS, LAYERS, BLOCKS = 4, 3, 6
+
+
+def _config(name: str, tp: int, mla: bool = False) -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        model_config=SimpleNamespace(
+            use_mla=mla, get_total_num_kv_heads=lambda: 1 if mla else HEADS
+        ),
+        cache_config=SimpleNamespace(
+            block_size=16, get_resolved_kv_cache_layout=lambda: KVCacheLayout[name]
+        ),
+    )
+
+
+def test_the_connector_asks_for_lbhnc_except_for_mla() -> None:
+    assert KVGuardConnector.get_required_kvcache_layout(_config("LBHNC", 1)) == "LBHNC"
+    assert KVGuardConnector.get_required_kvcache_layout(_config("LBHNC", 1, mla=True)) is None
+    no_model = SimpleNamespace(model_config=None)
+    assert KVGuardConnector.get_required_kvcache_layout(no_model) is None  # type: ignore[arg-type]
+
+
+@requires_mooncake
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("kernel", [None, 8])
+def test_the_worker_registers_every_layout_by_its_units(
+    name: str, kernel: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel and not name.startswith("LB"):
+        pytest.skip(f"vLLM splits no {name} block into kernel blocks")
+    monkeypatch.setattr(worker_module, "get_tensor_model_parallel_rank", lambda: 1)
+    _, views = vllm_views(name, LAYERS, BLOCKS, HEADS // 2, kernel=kernel)
+    kv = {f"model.layers.{i}.attn": v for i, v in enumerate(views)}
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    blocks = KVCacheConfig(  # the scheduler's blocks, in one group
+        num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[_group(spec, LAYERS)]
+    )
+    w = KVGuardWorker(_config(name, 2), Settings.of({}), producer=False, kv_cache_config=blocks)
+    try:
+        w.register_kv_caches(kv)
+        geo = describe(views, name, BLOCKS)
+        assert w.cache is not None and w.cache.layout == geo.layout
+        assert w.head_major == (name in ("LBHNC", "BHLNC") and kernel is None)
+        assert f"/{name}/" in w.compat and ("head x " in w.compat) == w.head_major
+        assert (w.rank.first, w.rank.count) == (2, 2)
+        assert w.backend is not None and len(w.cache.regions()) == 1
+    finally:
+        w.shutdown()
+
+
+def _group(spec: Any, layers: int) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return KVCacheGroupSpec([f"model.layers.{i}.attn" for i in range(layers)], spec)
+
+
+def test_hybrid_models_are_refused_at_start_naming_each_group() -> None:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=64
+    )
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    cases = [
+        ([_group(full, 2), _group(window, 2)], r"has 2: FullAttentionSpec \(2 layers\), Sliding"),
+        ([_group(mamba, 3)], r"has 1: MambaSpec \(3 layers\)"),
+    ]
+    for groups, match in cases:
+        config: Any = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+        w = KVGuardWorker(
+            _config("LBHNC", 1), Settings.of({}), producer=True, kv_cache_config=config
+        )
+        with pytest.raises(LayoutError, match=match):
+            w.register_kv_caches({})
+        assert w.backend is None  # refused before any engine started
