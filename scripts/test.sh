@@ -25,8 +25,9 @@ echo "== vLLM tests in .venv-vllm (tests/vllm/)"
 # The tensor parallel module first: it starts and stops the most memory
 # (four servers, six workers), and on the CI VM memory churn late in a long
 # run has frozen every process for tens of seconds (docs/vllm.md). pytest
-# collects a file named twice once.
+# collects a file named twice once, in the order of the arguments (a folder
+# argument would be collected in its own order).
 KVGUARD_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q --strict-skips \
-    tests/vllm/test_vllm_tp.py tests/vllm ||
+    tests/vllm/test_vllm_tp.py tests/vllm/test_*.py ||
     { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"

@@ -43,14 +43,15 @@ def test_the_connector_asks_for_lbhnc_except_for_mla() -> None:
     assert KVGuardConnector.get_required_kvcache_layout(no_model) is None  # type: ignore[arg-type]
 
 
+# vLLM splits a block into kernel blocks only in the layer-major LB... layouts.
+_LAYOUT_KERNELS = [(n, None) for n in LAYOUTS] + [(n, 8) for n in LAYOUTS if n.startswith("LB")]
+
+
 @requires_mooncake
-@pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("kernel", [None, 8])
+@pytest.mark.parametrize(("name", "kernel"), _LAYOUT_KERNELS)
 def test_the_worker_registers_every_layout_by_its_units(
     name: str, kernel: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if kernel and not name.startswith("LB"):
-        pytest.skip(f"vLLM splits no {name} block into kernel blocks")
     monkeypatch.setattr(worker_module, "get_tensor_model_parallel_rank", lambda: 1)
     _, views = vllm_views(name, LAYERS, BLOCKS, HEADS // 2, kernel=kernel)
     kv = {f"model.layers.{i}.attn": v for i, v in enumerate(views)}
