@@ -116,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests = dict.fromkeys(concurrencies, 4)
     else:
         requests = {c: FULL_REQUESTS.get(c, 2 * c) for c in concurrencies}
+    if importlib.util.find_spec("matplotlib") is None:
+        # Checked before the first server starts, not after minutes of runs.
+        parser.error("the plot needs matplotlib: pip install -e '.[bench]' (vllm-env.sh does)")
     if str(ROOT) not in sys.path:  # the harness, tests.vllm, is the checkout's
         sys.path.insert(0, str(ROOT))
     from .vllm_pd_run import run

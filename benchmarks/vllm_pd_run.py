@@ -167,9 +167,6 @@ def run(
         data.pop("outputs", None)
     (out / "vllm_pd.json").write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out / 'vllm_pd.json'}")
-    try:
-        plot(result, out / "vllm_pd.png")
-        log(f"wrote {out / 'vllm_pd.png'}")
-    except ImportError:
-        log("matplotlib missing (pip install -e '.[bench]'): no plot")
+    plot(result, out / "vllm_pd.png")  # matplotlib: checked before any server started
+    log(f"wrote {out / 'vllm_pd.png'}")
     return result

