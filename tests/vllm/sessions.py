@@ -1,4 +1,4 @@
-"""A server's whole process tree by its session: CPU seconds, liveness, exits.
+"""A server's whole process tree by its session (CPU seconds, liveness), and when a port closes.
 
 Each server is started as a session leader (``start_new_session``), so its
 engine core, worker and any helper it forks stay in its session even when
@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Final
 
-__all__ = ["FilesClosed", "session_alive", "session_cpu_seconds", "session_pids"]
+__all__ = ["PortClosed", "session_alive", "session_cpu_seconds"]
 
 _TICK: Final = os.sysconf("SC_CLK_TCK")
 
@@ -47,44 +47,50 @@ def session_alive(sid: int) -> bool:
     return any(f[0] != b"Z" for _, f in _session_stats(sid))
 
 
-def session_pids(sid: int) -> list[int]:
-    """The pids of every live process in session ``sid``."""
-    return [pid for pid, f in _session_stats(sid) if f[0] != b"Z"]
+class PortClosed(threading.Thread):
+    """Watches a listening TCP port from before a kill: the monotonic time
+    its socket went away (``/proc/net/tcp``), polled every 2 ms.
 
-
-class FilesClosed(threading.Thread):
-    """Watches processes from before a kill: the monotonic time each one's
-    files were closed (its connections dropped), polled every 2 ms.
-
-    A SIGKILLed vLLM worker (about 60 threads, 1.7 GB) closes its files only
-    once its last thread is gone and the kernel took its memory back; its
-    main thread is a zombie well before, so the state field tells nothing.
+    A SIGKILLed process's sockets close when its files do, late in its exit:
+    a vLLM worker (about 60 threads, 1.7 GB) first gives its memory back,
+    which took up to 1.5 s on this host. Its main thread is a zombie, and
+    its ``/proc/PID/fd`` unreadable, well before, so neither tells.
     """
 
-    def __init__(self, pids: Iterable[int]) -> None:
+    def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
-        self.pids = list(pids)
-        self.closed: dict[int, float] = {}
+        self.port = port
+        self.closed = 0.0
+        if not _listening(port):
+            raise AssertionError(f"nothing listens on port {port}")
 
     def run(self) -> None:
         until = time.monotonic() + 30.0
-        while len(self.closed) < len(self.pids) and time.monotonic() < until:
-            for pid in self.pids:
-                if pid not in self.closed and not _has_files(pid):
-                    self.closed[pid] = time.monotonic()
+        while time.monotonic() < until:
+            if not _listening(self.port):
+                self.closed = time.monotonic()
+                return
             time.sleep(0.002)
 
-    def last(self) -> float:
-        """When the last of them closed its files (waits up to 35 s)."""
+    def at(self) -> float:
+        """When the port closed (waits up to 35 s)."""
         self.join(35.0)
-        left = set(self.pids) - set(self.closed)
-        if left:
-            raise AssertionError(f"processes {sorted(left)} kept their files 30 s")
-        return max(self.closed.values())
+        if not self.closed:
+            raise AssertionError(f"port {self.port} still listens 30 s after the kill")
+        return self.closed
 
 
-def _has_files(pid: int) -> bool:
-    try:
-        return bool(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return False
+def _listening(port: int) -> bool:
+    """Whether a socket on this host listens on ``port`` (IPv4 or IPv6)."""
+    want = f":{port:04X} "
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)  # the header
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and (fields[1] + " ").endswith(want):
+                        return True
+        except OSError:
+            continue
+    return False

@@ -54,7 +54,7 @@ from tests.vllm.cluster import (
     wait_loading,
 )
 from tests.vllm.report import Row
-from tests.vllm.sessions import FilesClosed, session_pids
+from tests.vllm.sessions import PortClosed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -80,7 +80,8 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     before = {d.name: transfers(d) for d in (c.fail, c.recompute)}
     r_before = c.recompute.tokens_by_source()
 
-    exits: list[FilesClosed] = []
+    control = int(c.prefill.kv["kv_connector_extra_config"]["kvguard_control_port"])  # type: ignore[index]
+    closed = PortClosed(control)
 
     async def go() -> tuple[dict[int, tuple[Outcome, float]], float, float]:
         async with aiohttp.ClientSession() as http:
@@ -99,9 +100,7 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
             if sig == signal.SIGKILL:
                 for d in (c.fail, c.recompute):
                     await asyncio.to_thread(wait_loading, d, WAVE, HEARTBEAT_TIMEOUT_S)
-                assert c.prefill.proc is not None
-                exits.append(FilesClosed(session_pids(c.prefill.proc.pid)))
-                exits[0].start()
+                closed.start()
                 c.prefill.signal(signal.SIGKILL)
                 t_fault = time.monotonic()
                 # Killed before a heartbeat could have dropped the link: the
@@ -143,9 +142,8 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     recomputed = (c.recompute.tokens_by_source() - r_before)["local_compute"]
     rows[0].note = f"{len(took)} loads ended {spread(took)} after the {name.split()[1]}"
     if sig == signal.SIGKILL:
-        dead_s = exits[0].last() - t_fault
-        closed = f"{len(exits[0].pids)} processes closed their files {dead_s:.2f}s after it"
-        rows[0].note += f"; its {closed}"
+        dead_s = closed.at() - t_fault
+        rows[0].note += f"; its control port closed {dead_s:.2f}s after it"
     rows[1].note = f"{recomputed} prompt tokens recomputed"
     c.rows.extend(rows)
     idle_after(c, rows[0])

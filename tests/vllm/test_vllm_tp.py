@@ -56,7 +56,7 @@ from tests.vllm.cluster import (
 )
 from tests.vllm.ports import free_port
 from tests.vllm.servers import SERVES_KV, Server, kv_config
-from tests.vllm.sessions import FilesClosed
+from tests.vllm.sessions import PortClosed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -116,6 +116,11 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
         yield mp
 
 
+def restart(server: Server) -> None:
+    server.restart()
+    warm_up([server])
+
+
 def warm_up(servers: Sequence[Server]) -> None:
     """One non-PD request on each server, its first forward pass: on this
     host a TP 2 prefill's first one after a start left its process silent
@@ -148,7 +153,7 @@ def ensure(server: Server, kv: dict[str, object]) -> None:
         pytest.fail(f"{server.name} exited {server.proc.returncode}:\n{server.log_tail()}")
     if server.kv != kv:
         server.kv = kv
-        server.restart()
+        restart(server)
 
 
 def clean_kv(s: Servers) -> dict[str, object]:
@@ -191,7 +196,8 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
     fresh(s.p2, s.d2, s.d1)
     before = transfers(s.d2)
     worker = rank_pid(s.p2, 1)
-    closed = FilesClosed([worker])
+    port = int(clean_kv(s)["kv_connector_extra_config"]["kvguard_control_port"]) + 1  # type: ignore[index]
+    closed = PortClosed(port)  # rank 1's
 
     async def go() -> tuple[list[tuple[Outcome, float]], float, float]:
         async with aiohttp.ClientSession() as http:
@@ -222,11 +228,11 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
         took = [t - t_fault for _, t in outs]
         what = f"{len(took)} requests ended {spread(took)} after the rank's {sig.name}"
         if sig == signal.SIGKILL:
-            what += f"; it closed its files {closed.last() - t_fault:.2f}s after the kill"
+            what += f"; its control port closed {closed.at() - t_fault:.2f}s after the kill"
         print(f"\n{what}")
         assert [o.kind for o, _ in outs] == [FAILED] * len(outs), (outs, s.logs())
         if sig == signal.SIGKILL:
-            assert min(took) >= 0 and max(took) <= closed.last() - t_fault + KILL_S, what
+            assert min(took) >= 0 and max(took) <= closed.at() - t_fault + KILL_S, what
             assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
         else:
             assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, f"{what}\n{s.logs()}"
@@ -236,7 +242,7 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
         s.d2.wait_idle(SETTLE_S)
     finally:
         if sig == signal.SIGKILL:
-            s.p2.restart()  # vLLM ended the engine that lost a worker
+            restart(s.p2)  # vLLM ended the engine that lost a worker
     check_serves(s.p2, s.d2)
 
 
