@@ -188,8 +188,9 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
     worker is frozen; with ``SIGKILL`` it is killed once every load waits on
     it, before any heartbeat could drop its links. Every request fails (its
     leg from that rank is lost) with the reason and bound of a whole
-    prefill's fault. The TP 1 decode stays idle: two more busy engines on
-    two cores delayed the decode's reaction to the drop by 1.5 s."""
+    prefill's fault. The bound for a kill counts from the close of the
+    rank's listening socket: the kernel closes a killed worker's sockets
+    only after taking its memory back (up to 1.5 s here)."""
     ensure(s.p2, clean_kv(s))
     decodes = [s.d2] * 8
     prompts = prompts_of(len(decodes), seed=80 + sig)
