@@ -246,7 +246,14 @@ def test_engine_refusing_entries_fails_engine_error_and_keeps_what_it_holds(
         assert info.value.retryable and info.value.reason is FailureReason.TRANSFER_ERROR
         assert "an entry's transfer_check_status returned -1" in str(info.value), info.value
         assert "probe: alive (0 OK)" in str(info.value), info.value
-        assert op.inflight > 0 and not op.quiesced, (op.inflight, op.completed)
+        if op.inflight == 0:
+            # The engine ended every entry between the error and the freeze
+            # (about 1 run in 6 here): nothing left with it, nothing held.
+            assert op.wait_quiesced(1.0) and b.quarantined() == (0, 0), b.quarantined()
+            b.close()
+            assert "engine_memory_kept" not in [e["event"] for e in logs]
+            return
+        assert not op.quiesced, (op.inflight, op.completed)
         assert b.quarantined() == (1, op.nbytes)
         b.close()
         assert "engine_memory_kept" in [e["event"] for e in logs]
