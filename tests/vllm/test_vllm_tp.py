@@ -225,6 +225,12 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
         async with aiohttp.ClientSession() as http:
             steps = await asyncio.gather(*(prefill_step(http, s.p2, q) for q in prompts))
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
+            # One clean load first: the links to both ranks are up when the
+            # rank freezes (a link closed idle would be dialled to a frozen
+            # listener, a stall, not this scenario).
+            (warm,) = prompts_of(1, seed=90 + sig)
+            first = await pd(http, s.p2, s.d2, warm, MAX_TOKENS)
+            assert first.kind == "ok", first
             os.kill(worker, signal.SIGSTOP)
             t_stop = time.monotonic()
             tasks = [
