@@ -69,7 +69,8 @@ __all__ = ["CONNECTORS", "main"]
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 VLLM_PYTHON: Final = ROOT / ".venv-vllm" / "bin" / "python"
-CONNECTORS: Final = ("aggregated", "mooncake", "kvguard", "nixl")
+# kvguard-unverified: kvguard with kvguard_verify off, the cost of the check side by side.
+CONNECTORS: Final = ("aggregated", "mooncake", "kvguard", "kvguard-unverified", "nixl")
 FULL_REQUESTS: Final = {1: 8, 8: 32, 32: 64}
 
 

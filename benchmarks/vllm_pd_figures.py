@@ -194,7 +194,7 @@ def summarize(
     rates: list[float] = []
     nbytes = 0
     events = {s.name: read_jsonl(records, "events", s.name) for s in servers}
-    if connector == "kvguard":
+    if connector.startswith("kvguard"):
         sub = {e["request"]: e for e in events[servers[0].name] if e["kind"] == "submitted"}
         for e in events[servers[0].name]:
             if e["kind"] == "released" and e["ok"] and e["request"] in sub:
@@ -222,7 +222,7 @@ def summarize(
         row[f"cpu_s_per_gb_{role}"] = round(cpu[srv.name] / gb, 3) if gb else None
         row[f"hook_us_per_request_{role}"] = round(1e6 * hooks[srv.name] / max(1, len(sent)), 1)
     row["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
-    if connector == "kvguard":
+    if connector.startswith("kvguard"):
         splits = [
             p
             for r in matched

@@ -65,9 +65,11 @@ def kv_config(connector: str, role: str, ports: Ports) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of one server (None: no connector)."""
     if connector == "aggregated":
         return None
-    if connector == "kvguard":
-        control = {"kvguard_control_port": ports.kvguard_control} if role == "kv_producer" else {}
-        return kvguard_config(role, "fail", kvguard_deadline_s=DEADLINE_S, **control)
+    if connector.startswith("kvguard"):
+        own = {"kvguard_control_port": ports.kvguard_control} if role == "kv_producer" else {}
+        if connector == "kvguard-unverified":
+            own["kvguard_verify"] = False
+        return kvguard_config(role, "fail", kvguard_deadline_s=DEADLINE_S, **own)
     cfg: dict[str, Any] = {"kv_role": role}
     if role == "kv_consumer":
         cfg["kv_load_failure_policy"] = "fail"  # a failed load shows as an error

@@ -80,19 +80,25 @@ def test_a_bad_declared_size_is_logged_naming_key_and_value() -> None:
 
 
 def test_a_load_is_asked_of_each_prefill_rank_at_its_own_port() -> None:
+    """Each leg with the part of this rank's blocks it writes (what its
+    digest covers): 4 heads in 1024-byte blocks, 256 bytes a head."""
     two = Source(EP, "p1", 2)
-    pairing = Pairing(RankHeads(0, 1, 4), head_major=True)
+    pairing = Pairing(RankHeads(0, 1, 4), head_major=True, block_bytes=1024)
     assert pairing.asks("d", two) == [
-        LegAsk("d#0.0", "tcp://10.0.0.1:17600", 1),
-        LegAsk("d#0.1", "tcp://10.0.0.1:17601", 1),
+        LegAsk("d#0.0", "tcp://10.0.0.1:17600", 1, (0, 512)),
+        LegAsk("d#0.1", "tcp://10.0.0.1:17601", 1, (512, 512)),
     ]
-    # One leg no other decode rank shares: named as the request itself.
+    # One leg no other decode rank shares: named as the request itself, whole blocks.
     assert pairing.asks("d", Source("10.0.0.1:17600", "p1", 1)) == [
-        LegAsk("d", "tcp://10.0.0.1:17600", 1)
+        LegAsk("d", "tcp://10.0.0.1:17600", 1, None)
     ]
-    # Prefill 1, decode 2: both decode ranks ask prefill rank 0.
-    assert Pairing(RankHeads(1, 2, 4), head_major=True).asks("d", Source(EP, "p1", 1)) == [
-        LegAsk("d#1.0", EP, 2)
+    # Prefill 1, decode 2: both decode ranks ask prefill rank 0, for all of their blocks.
+    half = Pairing(RankHeads(1, 2, 4), head_major=True, block_bytes=512)
+    assert half.asks("d", Source(EP, "p1", 1)) == [LegAsk("d#1.0", EP, 2, (0, 512))]
+    # Prefill 4, decode 2: two legs, a head each.
+    assert half.asks("d", Source(EP, "p1", 4)) == [
+        LegAsk("d#1.2", "tcp://10.0.0.1:17602", 1, (0, 256)),
+        LegAsk("d#1.3", "tcp://10.0.0.1:17603", 1, (256, 256)),
     ]
     assert pairing.urls(two) == ["tcp://10.0.0.1:17600", "tcp://10.0.0.1:17601"]
 

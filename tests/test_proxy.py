@@ -774,6 +774,33 @@ def test_replies_and_requests_over_the_size_cap() -> None:
             b'{"prompt": "a", "kv_transfer_params": [1]}',
             "kv_transfer_params must be a JSON object or null, got array",
         ),
+        # A client's kvguard_* keys: only the deadline, and only a number > 0.
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_deadline_s": "soon"}}',
+            "kv_transfer_params['kvguard_deadline_s'] must be a number > 0, got 'soon'",
+        ),
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_deadline_s": true}}',
+            "kv_transfer_params['kvguard_deadline_s'] must be a number > 0, got True",
+        ),
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_deadline_s": -1}}',
+            "kv_transfer_params['kvguard_deadline_s'] must be a number > 0, got -1",
+        ),
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_deadline_s": 1e999}}',
+            "kv_transfer_params['kvguard_deadline_s'] must be a number > 0, got inf",
+        ),
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_endpoint": "tcp://evil:1"}}',
+            "kv_transfer_params['kvguard_endpoint'] is the servers' to set "
+            "(a client's: kvguard_deadline_s)",
+        ),
+        (
+            b'{"prompt": "a", "kv_transfer_params": {"kvguard_' + b"x" * 200 + b'": 1}}',
+            "kv_transfer_params['kvguard_" + "x" * 55 + "] is the servers' to set "
+            "(a client's: kvguard_deadline_s)",
+        ),
     ],
 )
 def test_a_bad_client_body_is_400_and_reaches_no_backend(data: bytes, message: str) -> None:

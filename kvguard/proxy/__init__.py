@@ -42,7 +42,8 @@ Errors are OpenAI-style, ``{"error": {"message", "type", "param": null,
 =========================================  ======  ==========================
 what went wrong                            status  type
 =========================================  ======  ==========================
-body not a JSON object                     400     BadRequestError
+body not a JSON object, or a client's      400     BadRequestError
+``kvguard_*`` key bad (``params``)
 body over ``max_body_bytes``               413     RequestTooLargeError
 a leg: cannot connect                      502     UpstreamUnreachableError
 a leg: no connection / reply in time       504     UpstreamTimeoutError

@@ -36,7 +36,7 @@ from typing import Any, Final
 # and how many decode requests load one prefill request.
 from kvguard.vllm.params import CLIENT_PREFIX as CLIENT_KV_PREFIX
 from kvguard.vllm.params import LOADS as KV_LOADS
-from kvguard.vllm.params import PREFILL_KV_TRANSFER_PARAMS
+from kvguard.vllm.params import PREFILL_KV_TRANSFER_PARAMS, client_problem
 
 __all__ = [
     "CHAT_COMPLETIONS",
@@ -76,6 +76,8 @@ def parse_client_body(data: bytes) -> dict[str, Any]:
             Failure.BAD_REQUEST,
             f"kv_transfer_params must be a JSON object or null, got {json_type(params)}",
         )
+    if params and (problem := client_problem(params)):
+        raise ProxyError.of(Failure.BAD_REQUEST, problem)
     return body
 
 
@@ -121,7 +123,7 @@ class Failure(enum.Enum):
     HTTP error is passed through with its status and type instead.
     """
 
-    BAD_REQUEST = (400, "BadRequestError")  # not a JSON object
+    BAD_REQUEST = (400, "BadRequestError")  # not a JSON object, or bad kvguard_* keys
     TOO_LARGE = (413, "RequestTooLargeError")  # over max_body_bytes
     UNREACHABLE = (502, "UpstreamUnreachableError")  # no connection
     DISCONNECTED = (502, "UpstreamDisconnectedError")  # closed before the reply ended

@@ -61,6 +61,7 @@ class Submit:
     new_peer: bool  # first push to this session (or its advertisement changed)
     deadline_s: float
     part: BlockSlice | None
+    verify: bool = False  # the decode asked for a digest of what is written
 
 
 @dataclass(frozen=True, slots=True)

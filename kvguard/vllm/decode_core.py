@@ -61,17 +61,20 @@ class DecodeCore(LinkSide):
         margin_s: float = 0.25,
         compat: str = "",
         heads: tuple[int, int] = (0, 0),
+        verify: bool = False,
     ) -> None:
         """``peer``: what this side advertises. ``stall_s``: a link not up
         this long after its connect or drop is stalled (the heartbeat
         timeout). ``margin_s``: the prefill is told to finish that much
         before the deadline, so its verdict arrives in time. ``compat`` and
-        ``heads`` (first, count) go with each push."""
+        ``heads`` (first, count) go with each push, and ``verify``: ask for
+        a digest of the bytes written (the driver checks it)."""
         self._peer = peer
         self._stall_s = stall_s
         self._margin_s = margin_s
         self._compat = compat
         self._heads = heads
+        self._verify = verify
         self._gens = itertools.count(1)
         self._waits: dict[str, Wait] = {}  # until OVER
         self._links: dict[str, Link] = {}  # until CLOSED
@@ -118,7 +121,16 @@ class DecodeCore(LinkSide):
             return out
         first, count = self._heads
         push = Push(
-            remote_id, rid, list(blocks), self._peer, wall + left, self._compat, group, first, count
+            remote_id,
+            rid,
+            list(blocks),
+            self._peer,
+            wall + left,
+            self._compat,
+            group,
+            first,
+            count,
+            self._verify,
         )
         try:
             check(push)  # the prefill's own checks (ids, bounds): nothing sent

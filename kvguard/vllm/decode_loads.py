@@ -35,6 +35,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .actions import Close, DecodeAction, LoadOutcome, Open, Probe, Report, Send, Unfence
 from .decode_core import DecodeCore
+from .integrity import Verifier
 from .probe import gone
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, decode_from_prefill, encode
 from .states import LinkEvent
@@ -101,17 +102,26 @@ class DecodeReceiver:
         margin_s: float = 0.25,
         compat: str = "",
         heads: tuple[int, int] = (0, 0),
+        verify: Verifier | None = None,
     ) -> None:
         """``peer``: what this side advertises (Mooncake session, layout,
         regions). ``margin_s``: the prefill is told to finish that much
         before this side's deadline, so its verdict arrives in time.
         ``compat``: this side's KV layout fingerprint, and ``heads`` (first,
-        count) the KV heads its blocks hold, sent with each push."""
+        count) the KV heads its blocks hold, sent with each push. ``verify``
+        checks each loaded Result's digest against this side's blocks
+        (``integrity``); None loads unverified."""
         # No handshake this long after a connect or drop: stalled (one takes ms).
         self.peer = peer
         self._core = DecodeCore(
-            peer, stall_s=heartbeat_timeout_s, margin_s=margin_s, compat=compat, heads=heads
+            peer,
+            stall_s=heartbeat_timeout_s,
+            margin_s=margin_s,
+            compat=compat,
+            heads=heads,
+            verify=verify is not None,
         )
+        self._verifier = verify  # receiver thread only
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
         self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
@@ -139,12 +149,15 @@ class DecodeReceiver:
         blocks: Sequence[int],
         deadline: float,
         group: int = 1,
+        part: tuple[int, int] | None = None,
     ) -> None:
         """Ask ``endpoint`` to push ``remote_id`` into ``blocks``; end by
         ``deadline``. ``group``: loads of ``remote_id`` asked for together
-        (n > 1), so the prefill holds its blocks until all have asked."""
+        (n > 1), so the prefill holds its blocks until all have asked.
+        ``part``: (offset, length) of each block the prefill writes (a
+        tensor parallel leg's heads), None for whole blocks."""
         self._inbox.put(
-            ("expect", (request_id, endpoint, remote_id, list(blocks), deadline, group))
+            ("expect", (request_id, endpoint, remote_id, list(blocks), deadline, group, part))
         )
 
     def cancel(self, request_id: str) -> None:
@@ -227,10 +240,13 @@ class DecodeReceiver:
     def _command(self, kind: str, args: tuple[object, ...]) -> None:
         core, now = self._core, time.monotonic()
         if kind == "expect":
-            rid, endpoint, remote_id, blocks, deadline, group = args
+            rid, endpoint, remote_id, blocks, deadline, group, part = args
             assert isinstance(rid, str) and isinstance(remote_id, str)
             assert isinstance(endpoint, str) and isinstance(blocks, list)
             assert isinstance(deadline, float) and isinstance(group, int)
+            assert part is None or isinstance(part, tuple)
+            if self._verifier is not None:
+                self._verifier.expect(rid, blocks, part)
             acts = core.expect(rid, endpoint, remote_id, blocks, deadline, group, now, time.time())
         elif kind == "cancel":
             (rid,) = args
@@ -350,9 +366,13 @@ class DecodeReceiver:
                 else:
                     _log.warning("bad_prefill_message", endpoint=endpoint, error=str(exc))
                 continue
+            if self._verifier is not None:
+                res = self._verifier.checked(res)
             self._apply(self._core.result(endpoint, res, now))
 
     def _report(self, out: LoadOutcome) -> None:
+        if self._verifier is not None:
+            self._verifier.done(out.request_id)
         if not out.ok:
             _log.warning(
                 "kv_load_failed",

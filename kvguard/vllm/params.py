@@ -34,6 +34,7 @@ from typing import Any, Final
 import structlog
 
 __all__ = [
+    "CLIENT_KEYS",
     "CLIENT_PREFIX",
     "DEADLINE_S",
     "DO_REMOTE_DECODE",
@@ -48,6 +49,7 @@ __all__ = [
     "TP_SIZE",
     "LoadAsk",
     "Source",
+    "client_problem",
     "deadline_s",
     "load_ask",
     "loading_started",
@@ -88,6 +90,9 @@ TP_SIZE: Final = "kvguard_tp_size"  # prefill: its tensor parallel size
 # client's n): vLLM may step between adding n > 1 children, so a group
 # cannot be counted by the children seen so far.
 LOADS: Final = "kvguard_loads"
+
+# The kvguard_* keys a client may set (a proxy answers any other with HTTP 400).
+CLIENT_KEYS: Final = frozenset({DEADLINE_S})
 
 MAX_LOADS: Final = 1024
 MAX_TP_SIZE: Final = 1024
@@ -150,11 +155,31 @@ def deadline_s(params: Mapping[str, Any], default: float, cap: float) -> float:
     """A client's ``kvguard_deadline_s``, capped by ``cap`` (it pins blocks on
     both engines); ``default`` if it is not a number > 0. The prefill returns
     the value it used, so both sides agree on it."""
+    value = params.get(DEADLINE_S, default)
     try:
-        asked = float(params.get(DEADLINE_S, default))
+        asked = float(value)
     except (TypeError, ValueError):
-        return default
-    return min(asked, cap) if asked > 0 else default
+        asked = math.nan
+    if asked > 0:  # nan is not
+        return min(asked, cap)
+    _log.warning("kv_deadline_ignored", key=DEADLINE_S, value=_quote(value), used=default)
+    return default
+
+
+def client_problem(params: Mapping[str, Any]) -> str:
+    """What is wrong with a client's own ``kvguard_*`` keys, "" if nothing: a
+    key only a server sets, or a deadline that is not a finite number > 0.
+    ``kvguard proxy`` answers it with HTTP 400; a server asked directly uses
+    its default deadline (``deadline_s``) and ignores the rest."""
+    for key, value in params.items():
+        if not (isinstance(key, str) and key.startswith(CLIENT_PREFIX)):
+            continue
+        if key not in CLIENT_KEYS:
+            mine = ", ".join(sorted(CLIENT_KEYS))
+            return f"kv_transfer_params[{_quote(key)}] is the servers' to set (a client's: {mine})"
+        if not (type(value) in (int, float) and math.isfinite(value) and value > 0):
+            return f"kv_transfer_params[{key!r}] must be a number > 0, got {_quote(value)}"
+    return ""
 
 
 def _renew_s(params: Mapping[str, Any], hold_s: float) -> float:

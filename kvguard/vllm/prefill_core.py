@@ -16,7 +16,8 @@ simulated clock. It promises, and the simulation checks after every event:
   ever submitted for it;
 * a load given up before its push started is remembered, so a push read
   later (a frozen prefill reads its socket on thaw) is refused, never served;
-  a second push of a known load starts nothing.
+  a second push of a known load starts nothing, and an Abort from another
+  decode than the one whose push waits or runs (ids are no credential) is ignored.
 
 States: ``states.HOLD`` and ``states.PUSH``; timers: one lazy heap.
 """
@@ -25,21 +26,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Final
 
 import structlog
 
 from scheduler._lazyheap import LazyHeap
 
-from .actions import (
-    AbortTransfer,
-    ForgetPeer,
-    PrefillAction,
-    Release,
-    Reply,
-    SenderStats,
-    Submit,
-)
+from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
 from .admission import Admission, Refusal
 from .peer_ledger import PeerLedger
 from .prefill_records import Bounded, EarlyPushes, Hold, PushRecord
@@ -289,7 +283,7 @@ class PrefillCore:
         self.stats.pushed += 1
         src, dst = hold.blocks[len(hold.blocks) - len(push.blocks) :], list(push.blocks)
         sub = Submit(rid, rec.load_id, rec.transfer, src, dst, info, new_peer, deadline_s, part)
-        out.append(sub)
+        out.append(replace(sub, verify=push.verify))
 
     def _land(
         self,
@@ -345,17 +339,21 @@ class PrefillCore:
                 count, group = self._forgets.get(rid, (0, 1))
                 self._forgets[rid] = (count + 1, max(group, msg.group))
             return
+        early = self._early.get(rid, load_id)
+        rec = None if hold is None else hold.pushes.get(load_id)
+        live = early or (rec if rec and rec.state is PushState.IN_FLIGHT else None)
+        if live is not None and live.ident != ident:  # ids are no credential
+            _log.warning("abort_from_another_decode", request=rid, load=load_id)
+            return
         self._aborted[(rid, load_id)] = None
         if hold is not None:  # the size its push would have told (this may settle the group)
             hold.group = max(hold.group, msg.group)
-        early = self._early.get(rid, load_id)
         if early is not None:
             self._early.take(early)
             self._answer(
                 early, PushState.SETTLED, LoadEnd.ABORTED, "given up before its push started", out
             )
             return
-        rec = None if hold is None else hold.pushes.get(load_id)
         if rec is not None and rec.state is PushState.IN_FLIGHT:
             out.append(AbortTransfer(rec.transfer))  # its release answers it
             return

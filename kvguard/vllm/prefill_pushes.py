@@ -28,6 +28,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Final
 
+import msgspec
 import structlog
 import zmq
 
@@ -39,6 +40,7 @@ from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
 
 from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
+from .integrity import source_digest
 from .prefill_core import PrefillCore
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, encode, ids_of, truncate
 from .ranks import RankHeads
@@ -101,6 +103,10 @@ class PrefillSender:
         self._held_blocks = 0  # (L)
         self._holding = 0  # (L)
         self._peers = 0  # (L)
+        self._cache = cache
+        # Sender thread only: the digest of each verified load's source bytes,
+        # made when it is submitted, until its Result goes out.
+        self._digests: dict[tuple[str, str], bytes] = {}
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
@@ -216,8 +222,12 @@ class PrefillSender:
             self._released.update(a.request_id for a in later if isinstance(a, Release))
         for act in later:
             if isinstance(act, Reply):
+                res = act.result
+                digest = self._digests.pop((res.request_id, res.load_id), b"")
+                if res.ok and digest:
+                    res = msgspec.structs.replace(res, digest=digest)
                 try:
-                    self._sock.send_multipart([act.ident, encode(act.result)], flags=zmq.NOBLOCK)
+                    self._sock.send_multipart([act.ident, encode(res)], flags=zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # the decode is gone or not reading
                     _log.info("result_undeliverable", error=str(exc))
 
@@ -269,6 +279,10 @@ class PrefillSender:
         except Exception as exc:  # nothing was submitted: the blocks are untouched
             detail = truncate(repr(exc))
             return self._core.submit_failed(act.request_id, act.load_id, detail, time.monotonic())
+        if act.verify:  # the source is held, unchanged: digest it while the engine moves it
+            self._digests[act.request_id, act.load_id] = source_digest(
+                self._cache, act.src, act.part
+            )
         return []
 
     def _on_release(self, rid: str, load_id: str, _transfer: str, fin: Finished) -> None:

@@ -26,6 +26,7 @@ from typing import Annotated, Final
 import msgspec
 
 from kvguard.decode.control import tcp_address, tcp_url
+from transfer.checksum import DIGEST_BYTES
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import MAX_LIST_LEN, PeerMessage
 
@@ -86,6 +87,8 @@ class Push(_Message, frozen=True, tag="push"):
     group: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST_LEN)] = 1
     first_head: _Heads = 0
     head_count: _Heads = 0
+    # Send a ``transfer.checksum`` digest of the bytes written with an ok Result.
+    verify: bool = False
 
 
 class Abort(_Message, frozen=True, tag="abort"):
@@ -110,13 +113,16 @@ class Renew(_Message, frozen=True, tag="renew"):
 
 class Result(_Message, frozen=True, tag="result"):
     """``load_id`` of ``request_id`` is over and nothing of the prefill's
-    writes its blocks any more: ``ok``, or why not."""
+    writes its blocks any more: ``ok``, or why not. ``digest``: for a push
+    that asked to verify, the ``transfer.checksum`` digest of exactly the
+    bytes the prefill wrote (empty otherwise, or when it could not make one)."""
 
     request_id: _RequestId
     load_id: _RequestId
     ok: bool
     reason: Annotated[str, msgspec.Meta(max_length=64)] = ""
     detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    digest: Annotated[bytes, msgspec.Meta(max_length=DIGEST_BYTES)] = b""
 
 
 class _Ids(msgspec.Struct, frozen=True):

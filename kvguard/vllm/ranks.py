@@ -189,6 +189,7 @@ class LegAsk:
     leg_id: str  # the request's own id for a lone leg, else request#rank.prefill_rank
     url: str  # the prefill rank's control endpoint
     fan_in: int  # decode ranks that ask this prefill rank for the same request
+    part: tuple[int, int] | None  # (offset, length) of each block it writes; None: whole
 
 
 class Pairing:
@@ -196,10 +197,13 @@ class Pairing:
     of each load and the prefill ranks' endpoints. The one place where a
     load's ``Source`` becomes ranks and addresses."""
 
-    def __init__(self, me: RankHeads, head_major: bool, layout: str = "") -> None:
+    def __init__(
+        self, me: RankHeads, head_major: bool, layout: str = "", block_bytes: int = 0
+    ) -> None:
         self.me = me
         self.head_major = head_major
         self.layout = layout  # the KV cache layout's name, for errors
+        self.block_bytes = block_bytes  # of this rank's blocks: where a leg's heads lie
         self._legs: dict[int, list[Leg] | ValueError] = {}  # prefill TP size -> legs, or why not
 
     def legs(self, source: Source) -> list[Leg]:
@@ -232,8 +236,16 @@ class Pairing:
             except ValueError as exc:
                 raise BadEndpoint(str(exc)) from None
             leg_id = request_id if single else f"{request_id}#{self.me.rank}.{leg.prefill_rank}"
-            out.append(LegAsk(leg_id, url, leg.fan_in))
+            out.append(LegAsk(leg_id, url, leg.fan_in, self.part(leg)))
         return out
+
+    def part(self, leg: Leg) -> tuple[int, int] | None:
+        """(offset, length) of each of this rank's blocks that ``leg`` writes
+        (the prefill's ``block_slice`` seen from here); None: whole blocks."""
+        if leg.whole:
+            return None
+        unit = self.block_bytes // self.me.count
+        return leg.dst_head * unit, leg.count * unit
 
     def urls(self, source: Source) -> list[str]:
         """The endpoints of the prefill ranks this rank loads ``source`` from

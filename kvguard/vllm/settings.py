@@ -50,6 +50,9 @@ class Settings:
     # every CPU of the process (vLLM pins the worker's thread to one core),
     # a list ("0-3,6"), or "inherit" (the worker thread's own mask).
     cpus: str = ""
+    # decode: check each load's digest against the prefill's (``integrity``);
+    # a mismatch fails the load, and vLLM's kv_load_failure_policy applies.
+    verify: bool = True
 
     @classmethod
     def of(cls, extra: dict[str, Any]) -> Settings:
@@ -61,6 +64,8 @@ class Settings:
             if not hasattr(s, name):
                 raise ValueError(f"unknown kvguard setting {key!r}")
             default = getattr(s, name)
+            if isinstance(default, bool) and not isinstance(value, bool):  # bool("false") is True
+                raise ValueError(f"{key} must be true or false, got {value!r}")
             setattr(s, name, tuple(value) if isinstance(default, tuple) else type(default)(value))
         if not 0 < s.deadline_s <= s.max_deadline_s:
             raise ValueError(

@@ -53,6 +53,7 @@ class LoadEnd(enum.Enum):
     BAD_ENDPOINT = "bad_endpoint"  # the prefill's address is not tcp://HOST:PORT
     BAD_REQUEST = "bad_request"  # ids or sizes the protocol's bounds refuse
     INCOMPATIBLE = "incompatible"  # layouts or tensor parallel sizes cannot pair
+    INTEGRITY = "integrity"  # the blocks' digest is not the one of what the prefill wrote
     # prefill side, on the wire
     ABORTED = "aborted"  # the decode gave the load up (also kvguard's ABORTED)
     UNKNOWN_REQUEST = "unknown_request"  # not held there (expired, released, never)

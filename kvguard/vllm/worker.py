@@ -35,6 +35,7 @@ from transfer.peer_protocol import peer_message_of
 
 from .decode_legs import DecodeLegs, Verdict
 from .decode_loads import DecodeReceiver
+from .integrity import Verifier
 from .kv_views import check_groups, describe
 from .metadata import KVGuardMetadata, LoadMeta
 from .prefill_pushes import PrefillSender
@@ -136,7 +137,7 @@ class KVGuardWorker:
         )
         # A rank's heads one run of every unit of a block: a share is one slice.
         self.head_major = geo.head_run and geo.heads == self.rank.count
-        self._pairing = Pairing(self.rank, self.head_major, geo.label)
+        self._pairing = Pairing(self.rank, self.head_major, geo.label, geo.layout.block_bytes)
         # What a peer's blocks must match, byte for byte: not the block count,
         # nor (heads one run) how many heads each rank holds.
         self.compat = (
@@ -170,6 +171,12 @@ class KVGuardWorker:
     def make_backend(self) -> MooncakeBackend:
         """This rank's Mooncake engine (a hook for tests)."""
         return self.settings.make_backend()
+
+    def make_verifier(self) -> Verifier | None:
+        """Decode: what checks each load's bytes (``integrity``), None where
+        ``kvguard_verify`` is off (a hook for tests)."""
+        assert self.cache is not None
+        return Verifier(self.cache) if self.settings.verify else None
 
     def _start(self) -> None:
         """The backend and the sender or receiver, with every thread they start."""
@@ -215,6 +222,7 @@ class KVGuardWorker:
                 heartbeat_timeout_s=s.heartbeat_timeout_s,
                 compat=self.compat,
                 heads=(self.rank.first, self.rank.count),
+                verify=self.make_verifier(),
             )
 
     # -- each step -------------------------------------------------------------
@@ -254,9 +262,8 @@ class KVGuardWorker:
             return
         remote = load.source.request_id
         for a in asks:
-            receiver.expect(
-                a.leg_id, a.url, remote, load.block_ids, load.deadline, load.group * a.fan_in
-            )
+            group = load.group * a.fan_in
+            receiver.expect(a.leg_id, a.url, remote, load.block_ids, load.deadline, group, a.part)
 
     def _refuse(self, load: LoadMeta, end: LoadEnd, why: str) -> None:
         """A load that cannot start: failed at once, nothing was asked."""

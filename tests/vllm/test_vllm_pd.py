@@ -14,177 +14,46 @@ prefill frozen, decode killed, injected faults. Every request is recorded
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
-from tests.vllm.ports import free_port
+from tests.vllm.offline import (
+    DEADLINE_S,
+    ROOT,
+    RUN_REPORT,
+    Engine,
+    engine,
+    prefill,
+    producer,
+    record,
+    row,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-llama"))
 REPORT = ROOT / ".venv-vllm" / "vllm-report.json"
-DEADLINE_S = 5.0  # per request, both sides
 # A hang guard, not a speed figure: how long past its deadline a request may
 # end (or its blocks come back) on a loaded 2-core machine. It still catches
 # one held to no deadline at all; how soon after it they end is the vLLM
 # benchmark's to say.
 SLACK_S = 10.0
-# How long a quit engine may take to exit by itself (about 5 s measured): a hang guard.
-QUIT_S = 60.0
 MAX_TOKENS = 16
 N = 8
 _rng = random.Random(13)
 PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(33, 100))] for _ in range(N)]
 
-_report: dict[str, Any] = {"scenarios": {}, "engines": []}
-
-
-class Engine:
-    """One vLLM engine process; events from its stdout, commands to its stdin."""
-
-    def __init__(self, name: str, role: str = "", policy: str = "fail", **extra: Any) -> None:
-        self.name = name
-        args = [sys.executable, "-m", "tests.vllm.engine", "--model", str(MODEL)]
-        if role:
-            args += ["--role", role, "--policy", policy, "--extra", json.dumps(extra)]
-            if role == "kv_consumer":
-                args += ["--connector", "CorruptingKVGuardConnector"]
-                args += ["--module", "tests.vllm.corrupt_connector"]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.log = ROOT / ".venv-vllm" / f"engine-{name}.log"
-        self._logf = self.log.open("w")
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._logf,
-            text=True,
-            cwd=ROOT,
-            env=env,
-        )
-        self.pid = self.proc.pid
-        self.signalled = False  # killed or frozen by the test: close() kills it
-        self._events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self.finished: dict[str, dict[str, Any]] = {}
-        self.sent: dict[str, float] = {}
-        threading.Thread(target=self._read, daemon=True).start()
-        ready = self._next(lambda e: e["ev"] == "ready", 300)
-        self.startup_s = ready["startup_s"]
-        self.free_blocks0 = ready["free_blocks"]
-        _report["engines"].append({"name": name, "startup_s": round(self.startup_s, 2)})
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                self._events.put(json.loads(line))
-        self._events.put(None)
-
-    def _next(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            try:
-                ev = self._events.get(timeout=left)
-            except queue.Empty:
-                break
-            if ev is None:
-                raise RuntimeError(f"engine {self.name} exited; see {self.log}")
-            if ev["ev"] == "finished":
-                ev["t_end"] = time.monotonic()
-                self.finished[ev["id"]] = ev
-            if pred(ev):
-                return ev
-        raise TimeoutError(f"engine {self.name}: no event within {timeout}s; see {self.log}")
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def add(self, rid: str, prompt: list[int], max_tokens: int, params: Any = None) -> None:
-        self.sent[rid] = time.monotonic()
-        self.send(op="add", id=rid, prompt=prompt, max_tokens=max_tokens, kv_transfer_params=params)
-
-    def wait(self, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
-        """Each request's finished event; TimeoutError if one does not finish."""
-        end = time.monotonic() + timeout
-        for rid in ids:
-            if rid not in self.finished:
-                self._next(
-                    lambda e, rid=rid: e["ev"] == "finished" and e["id"] == rid,
-                    max(0.0, end - time.monotonic()),
-                )
-        return {rid: self.finished[rid] for rid in ids}
-
-    def usage(self) -> dict[str, Any]:
-        self.send(op="usage")
-        return self._next(lambda e: e["ev"] == "usage", 30)
-
-    def signal(self, sig: int) -> None:
-        self.signalled = True
-        os.kill(self.pid, sig)
-
-    def close(self) -> None:
-        """Quit an engine no signal reached and let it exit by itself; kill the rest."""
-        if self.proc.poll() is None and not self.signalled:
-            with contextlib.suppress(OSError):  # a pipe it closed by dying
-                self.send(op="quit")
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(QUIT_S)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)  # by pid; SIGKILL ends a stopped one too
-        self.proc.wait(30)
-        self._logf.close()
-
-
-@contextlib.contextmanager
-def engine(name: str, role: str = "", policy: str = "fail", **extra: Any) -> Iterator[Engine]:
-    e = Engine(name, role, policy, **extra)
-    try:
-        yield e
-    finally:
-        e.close()
-    if not e.signalled:  # asked to quit: it ends by itself, status 0, no abort
-        log = e.log.read_text()
-        assert e.proc.returncode == 0, f"{name} exited {e.proc.returncode}: {log[-3000:]}"
-        assert "terminate called" not in log, log[-3000:]
-
-
-def producer(name: str, **extra: Any) -> contextlib.AbstractContextManager[Engine]:
-    return engine(
-        name,
-        "kv_producer",
-        kvguard_control_port=free_port(),
-        kvguard_deadline_s=DEADLINE_S,
-        # A request no decode asks for is held this long (renewals aside).
-        kvguard_hold_s=DEADLINE_S,
-        **extra,
-    )
-
 
 @pytest.fixture(scope="module", autouse=True)
 def report() -> Iterator[None]:
     yield
-    REPORT.write_text(json.dumps(_report, indent=1))
+    REPORT.write_text(json.dumps(RUN_REPORT, indent=1))
     print(f"\nvLLM report: {REPORT}")
-    for name, rows in _report["scenarios"].items():
+    for name, rows in RUN_REPORT["scenarios"].items():
         print(f"== {name}")
         for r in rows:
             print("  ", r)
@@ -198,7 +67,7 @@ def reference() -> list[list[int]]:
             agg.add(f"a{i}", p, MAX_TOKENS)
         out = agg.wait([f"a{i}" for i in range(N)], 120)
         per = [out[f"a{i}"]["latency_s"] for i in range(N)]
-        _report["aggregated_latency_s"] = [round(x, 3) for x in per]
+        RUN_REPORT["aggregated_latency_s"] = [round(x, 3) for x in per]
         return [out[f"a{i}"]["tokens"] for i in range(N)]
 
 
@@ -218,33 +87,6 @@ def decode_recompute() -> Iterator[Engine]:
 def prefill_main() -> Iterator[Engine]:
     with producer("prefill-main") as p:
         yield p
-
-
-def prefill(p: Engine, ids: list[str], prompts: list[list[int]]) -> dict[str, Any]:
-    for rid, prompt in zip(ids, prompts, strict=True):
-        p.add(rid, prompt, 1, {"do_remote_decode": True})
-    out = p.wait(ids, 60)
-    for rid in ids:
-        assert out[rid]["finish_reason"] == "length", out[rid]
-        assert out[rid]["kv_transfer_params"]["do_remote_prefill"] is True
-    return {rid: out[rid]["kv_transfer_params"] for rid in ids}
-
-
-def row(d: Engine, rid: str, ref: list[int] | None) -> dict[str, Any]:
-    ev = d.finished[rid]
-    return {
-        "request": rid,
-        "engine": d.name,
-        "outcome": ev["finish_reason"],
-        "time_to_terminal_s": round(ev["t_end"] - d.sent[rid], 3),
-        "tokens_equal": None if ref is None else ev["tokens"] == ref,
-        "external_tokens": ev["external_tokens"],
-        "load": ev.get("load"),
-    }
-
-
-def record(scenario: str, rows: list[dict[str, Any]]) -> None:
-    _report["scenarios"].setdefault(scenario, []).extend(rows)
 
 
 # -- 1. clean ------------------------------------------------------------------------
@@ -277,6 +119,38 @@ def test_clean_run_matches_aggregated_and_control_has_teeth(
     differ = sum(out[rid]["tokens"] != reference[i] for i, rid in enumerate(bad))
     assert differ == N, f"corrupted KV changed only {differ} of {N} outputs"
     # The prefill let go of every block once the decodes had them.
+    _wait_free(prefill_main, prefill_main.free_blocks0, DEADLINE_S + SLACK_S)
+
+
+def test_garbled_kv_fails_its_load_and_no_wrong_token_reaches_the_client(
+    reference: list[list[int]],
+    prefill_main: Engine,
+    decode_fail: Engine,
+    decode_recompute: Engine,
+) -> None:
+    """Bytes garbled after a successful transfer (tests/vllm/corrupt_connector.py:
+    a flipped byte, a stale block, a half-written block) are caught by the
+    digest check: each load fails ``integrity``; policy "fail" answers an
+    error, "recompute" the aggregated engine's tokens. None decodes from them."""
+    kinds = ["flip", "stale", "half"]
+    decodes = [decode_fail, decode_recompute]
+    ids = {d.name: [f"garble-{k}-{d.name}-{i}" for k in kinds for i in range(3)] for d in decodes}
+    which = [i for _ in kinds for i in range(3)]  # the prompt of each id
+    prompts = [PROMPTS[i] for i in which]
+    params = prefill(prefill_main, [r for d in decodes for r in ids[d.name]], prompts * 2)
+    for d in decodes:
+        for rid, i in zip(ids[d.name], which, strict=True):
+            d.add(rid, PROMPTS[i], MAX_TOKENS, params[rid])
+    for d in decodes:
+        d.wait(ids[d.name], DEADLINE_S + 30)
+        rows = [row(d, rid, reference[i]) for rid, i in zip(ids[d.name], which, strict=True)]
+        record("1 garbled KV (integrity)", rows)
+        for r in rows:
+            assert r["load"] == "integrity", r
+            if d is decode_fail:
+                assert r["outcome"] == "error", r
+            else:
+                assert r["outcome"] == "length" and r["tokens_equal"], r
     _wait_free(prefill_main, prefill_main.free_blocks0, DEADLINE_S + SLACK_S)
 
 
@@ -350,7 +224,7 @@ def _prefill_dies(
             if d.name == "decode-fail":
                 errors = sum(d.finished[r]["finish_reason"] == "error" for r in ids[d.name])
                 assert errors >= 1, "no request was affected: the scenario tested nothing"
-        _report.setdefault("signal_to_last_terminal_s", {})[scenario] = round(
+        RUN_REPORT.setdefault("signal_to_last_terminal_s", {})[scenario] = round(
             max(d.finished[r]["t_end"] for d in decodes for r in ids[d.name]) - t_sig, 3
         )
 
@@ -451,6 +325,6 @@ def test_injected_faults_every_request_finishes(
                 assert r["time_to_terminal_s"] <= DEADLINE_S + SLACK_S, r
                 if d.name == "decode-recompute" or r["outcome"] != "error":
                     assert r["outcome"] == "length" and r["tokens_equal"], r
-        _report["faults_sender_stats"] = stats["sender"]
+        RUN_REPORT["faults_sender_stats"] = stats["sender"]
         assert stats["sender"]["failed"] >= 1, stats  # faults were injected and surfaced
         _wait_free(p, p.free_blocks0, DEADLINE_S + SLACK_S)

@@ -35,6 +35,11 @@ def test_inflight_default_follows_the_engines_own_limits(monkeypatch: pytest.Mon
     assert Settings.of({}).inflight() == 107
 
 
+def test_loads_are_verified_unless_turned_off() -> None:
+    assert Settings.of({}).verify is True
+    assert Settings.of({"kvguard_verify": False}).verify is False
+
+
 def test_max_inflight_overrides_the_budget() -> None:
     s = Settings.of({"kvguard_max_inflight": "16"})
     assert (s.max_inflight, s.inflight()) == (16, 16)
@@ -50,6 +55,9 @@ def test_max_inflight_overrides_the_budget() -> None:
         ),
         # The old fixed-count setting is gone, not silently ignored.
         ({"kvguard_workers": 4}, "unknown kvguard setting 'kvguard_workers'"),
+        # bool("false") is True: a flag takes a JSON boolean only.
+        ({"kvguard_verify": "false"}, "kvguard_verify must be true or false, got 'false'"),
+        ({"kvguard_verify": 0}, "kvguard_verify must be true or false, got 0"),
     ],
 )
 def test_bad_engine_settings_name_the_key_and_value(extra: dict[str, object], message: str) -> None:

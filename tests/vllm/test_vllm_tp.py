@@ -63,7 +63,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 # to the TP 1 prefill stalled past a 10 s deadline. So: a 30 s heartbeat
 # timeout, a 60 s deadline (the default kvguard_max_deadline_s), and a hold
 # as long as the deadline, so no hold expires under a load still allowed to
-# wait. The server-mode cluster (three servers) runs on the defaults.
+# wait. The prefills get the same timeout, which bounds their Mooncake probe
+# of a decode first contacted: at 3 s it went silent past it while the four
+# servers started (every load of the first pairing failed peer_lost). The
+# server-mode cluster (three servers) runs on the defaults.
 HEARTBEAT_TIMEOUT_S = 30.0
 DEADLINE_S = 60.0
 FREEZE_S = HEARTBEAT_TIMEOUT_S + 1.0  # the promise for a frozen rank
@@ -104,6 +107,7 @@ def prefill_kv(port: int, **extra: object) -> dict[str, object]:
         kvguard_control_port=port,
         kvguard_deadline_s=DEADLINE_S,
         kvguard_hold_s=DEADLINE_S,
+        kvguard_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         **extra,
     )
 

@@ -1,0 +1,193 @@
+"""transfer.checksum: the digest both sides of a load compute, pinned and attacked.
+
+A pure-Python reference (ints, no torch) pins the definition, so a change to
+the torch code that changes any digest fails here, whatever device runs it.
+Then each corruption a transfer can leave (a flipped byte anywhere, a stale,
+swapped or half-written block) must change the digest, and the same bytes
+must give the same digest whatever the blocks' ids, sizes or strides.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer import KVLayout
+from transfer.cache import KVCache
+from transfer.checksum import DIGEST_BYTES, region_digest
+
+MASK = (1 << 64) - 1
+SEEDS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)
+
+
+def splitmix(index: int, seed: int) -> int:
+    z = (index * 0x9E3779B97F4A7C15 + seed) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return (z ^ (z >> 31)) | 1
+
+
+def reference(rows: list[bytes]) -> bytes:
+    """The module docstring's definition over ``rows``, in plain Python."""
+    length = len(rows[0])
+    word = 4 if length % 4 == 0 else 1
+    words = length // word
+    lanes = next(n for n in (16, 8, 4, 2, 1) if words % n == 0)
+    fmt = f"<{words}i" if word == 4 else f"<{words}B"
+    out = []
+    for seed in SEEDS:
+        acc = 0
+        for r, row in enumerate(rows):
+            vals = struct.unpack(fmt, row)
+            for p in range(lanes):
+                acc += sum(vals[p::lanes]) * splitmix(r * lanes + p, seed)
+        acc &= MASK
+        out.append(acc.to_bytes(8, "little"))
+    return b"".join(out)
+
+
+def cache_of(num_blocks: int, block_bytes: int, layers: int = 2, seed: int = 1) -> KVCache:
+    layout = KVLayout(num_layers=layers, num_blocks=num_blocks, block_bytes=block_bytes)
+    cache = KVCache(layout)
+    cache.fill_seeded(seed)
+    return cache
+
+
+def rows_of(cache: KVCache, blocks: list[int], part: tuple[int, int] | None = None) -> list[bytes]:
+    off, n = part or (0, cache.layout.block_bytes)
+    return [
+        bytes(cache.rows(b)[blk, off : off + n].tolist())
+        for b in range(cache.layout.num_buffers)
+        for blk in blocks
+    ]
+
+
+@pytest.mark.parametrize("block_bytes", [64, 256, 96, 40, 12, 6, 7])
+@pytest.mark.parametrize("part", [None, "head", "tail"])
+def test_the_digest_is_the_reference_definition(block_bytes: int, part: str | None) -> None:
+    cache = cache_of(9, block_bytes)
+    cut = {None: None, "head": (0, block_bytes // 2), "tail": (block_bytes // 3, block_bytes // 2)}[
+        part
+    ]
+    blocks = [4, 0, 8, 3]
+    got = region_digest(cache, blocks, cut)
+    assert len(got) == DIGEST_BYTES
+    assert got == reference(rows_of(cache, blocks, cut))
+
+
+def test_one_known_digest_is_pinned() -> None:
+    """Both sides of a deployment may run different builds: the definition
+    itself must not drift. Bytes 0..63 in one block, one layer's K and V."""
+    layout = KVLayout(num_layers=1, num_blocks=1, block_bytes=64)
+    cache = KVCache(layout)
+    for b in range(layout.num_buffers):
+        cache.rows(b)[0] = torch.arange(64, dtype=torch.uint8) + 64 * b
+    assert region_digest(cache, [0]).hex() == reference(rows_of(cache, [0])).hex()
+    assert region_digest(cache, [0]).hex() == PINNED
+
+
+PINNED = "c8c4398677afada0f8eba42b0be59c7c"
+
+
+def test_the_same_bytes_digest_alike_whatever_holds_them() -> None:
+    """Prefill and decode: other block ids, other cache sizes, whole blocks on
+    one side and a slice of larger blocks on the other (tensor parallel legs)."""
+    src = cache_of(6, 64, seed=3)
+    dst = cache_of(20, 128, seed=4)
+    src_ids, dst_ids = [5, 1, 2], [17, 0, 9]
+    for b in range(src.layout.num_buffers):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            dst.rows(b)[d, 32:96] = src.rows(b)[s]
+    assert region_digest(dst, dst_ids, (32, 64)) == region_digest(src, src_ids)
+    assert region_digest(dst, dst_ids, (0, 64)) != region_digest(src, src_ids)
+
+
+def test_a_strided_cache_digests_like_a_dense_one() -> None:
+    """``KVCache.over``: blocks that are not dense pages (kernel blocks, padding)."""
+    dense = cache_of(5, 64, layers=1, seed=7)
+    store = [torch.full((5 * 96,), 0xAB, dtype=torch.uint8) for _ in range(2)]  # padded pages
+    layout = KVLayout(num_layers=1, num_blocks=5, block_bytes=64, block_stride=96)
+    strided = KVCache.over(layout, store, [t.data_ptr() for t in store])
+    for b in range(layout.num_buffers):
+        strided.rows(b).copy_(dense.rows(b))
+    assert region_digest(strided, [4, 2, 0]) == region_digest(dense, [4, 2, 0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocks=st.lists(st.integers(0, 7), min_size=1, max_size=6),
+    buffer=st.integers(0, 3),
+    where=st.integers(0, 10**9),
+    flip=st.integers(1, 255),
+)
+def test_any_flipped_byte_changes_both_halves(
+    blocks: list[int], buffer: int, where: int, flip: int
+) -> None:
+    cache = cache_of(8, 96)
+    before = region_digest(cache, blocks)
+    blk = blocks[where % len(blocks)]
+    pos = where % 96
+    row = cache.rows(buffer)
+    row[blk, pos] = int(row[blk, pos]) ^ flip
+    after = region_digest(cache, blocks)
+    assert before[:8] != after[:8] and before[8:] != after[8:]
+
+
+def test_a_stale_a_swapped_and_a_half_written_block_are_caught() -> None:
+    cache = cache_of(8, 256)
+    blocks = [1, 2, 3, 4]
+    good = region_digest(cache, blocks)
+    assert region_digest(cache, [1, 3, 2, 4]) != good  # swapped
+    keep = cache.rows(0)[2].clone()
+    cache.rows(0)[2] = cache.rows(0)[6]  # stale: another block's bytes
+    assert region_digest(cache, blocks) != good
+    cache.rows(0)[2] = keep
+    assert region_digest(cache, blocks) == good
+    cache.rows(1)[3, 128:] = 0  # half written
+    assert region_digest(cache, blocks) != good
+
+
+def test_a_load_of_many_blocks_is_digested_in_chunks_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transfer.checksum as checksum
+
+    cache = cache_of(64, 128)
+    blocks = list(range(63, -1, -2))
+    whole = region_digest(cache, blocks)
+    monkeypatch.setattr(checksum, "_CHUNK_BYTES", 3 * 128)  # 3 rows per gather
+    assert region_digest(cache, blocks) == whole == reference(rows_of(cache, blocks))
+
+
+@pytest.mark.parametrize(
+    ("blocks", "part", "message"),
+    [
+        ([0, 8], None, r"blocks\[1\] = 8 out of range \[0, 8\)"),
+        ([True], None, r"blocks\[0\] = True out of range"),
+        ([-1], None, r"blocks\[0\] = -1 out of range"),
+        ([0], (60, 8), r"part \(60, 8\) is not inside a block of 64 bytes"),
+        ([0], (0, 0), r"part \(0, 0\) is not inside"),
+        ([0], (-4, 8), r"part \(-4, 8\) is not inside"),
+    ],
+)
+def test_bad_blocks_and_parts_are_named(
+    blocks: list[int], part: tuple[int, int] | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        region_digest(cache_of(8, 64), blocks, part)
+
+
+def test_no_blocks_digest_to_zero() -> None:
+    assert region_digest(cache_of(4, 64), []) == bytes(DIGEST_BYTES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_cache_digests_on_the_device_like_the_host() -> None:
+    host = cache_of(16, 256)
+    dev = KVCache(host.layout, device="cuda")
+    for b in range(host.layout.num_buffers):
+        dev.rows(b).copy_(host.rows(b))
+    blocks = [15, 0, 7, 3]
+    assert region_digest(dev, blocks, (64, 128)) == region_digest(host, blocks, (64, 128))

@@ -1,0 +1,106 @@
+"""Checksums of KV blocks, computed with torch where the blocks are.
+
+A load is verified end to end: the sender digests exactly the bytes it wrote
+(``region_digest`` over its source blocks and slice), the receiver the same
+bytes in its own blocks once the engine is done, and the two must agree.
+Both run the same torch calls on the tensors' own device, so a CUDA cache is
+read by CUDA kernels and only the 16-byte result reaches the host.
+
+It is a transport checksum, not a cryptographic hash (as SGLang's Adler-32
+over transferred KV): it catches what a transfer gets wrong, not a forger.
+
+* A *row* is one block's slice ``[offset, offset + length)`` in one buffer;
+  rows are taken buffer by buffer, blocks in the order given. Equal digests
+  need both sides to list the same bytes in the same order, nothing else
+  (their block ids, block sizes and devices may differ).
+* A row's bytes, as little-endian int32 words (bytes where ``length`` is not
+  a multiple of 4), fold into ``lanes`` sums, word i into lane i mod lanes
+  (lanes: 16, or what divides the word count); exact in int64.
+* Each lane sum is multiplied by its own odd pseudo-random weight (splitmix64
+  of its index over all rows) and the products summed modulo 2**64, twice
+  with independent weights: 16 bytes.
+
+What that guarantees: any change to one word changes both sums (an odd
+weight times a nonzero difference below 2**33 is never 0 modulo 2**64); a
+block written into the wrong place, swapped, stale or half written changes
+them except with probability about 2**-64 per sum. Cost: one gather of the
+rows on the device and one pass over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+
+from .cache import KVCache
+
+__all__ = ["DIGEST_BYTES", "region_digest"]
+
+DIGEST_BYTES: Final = 16
+_LANES: Final = 16
+_CHUNK_BYTES: Final = 32 << 20  # rows gathered at once on the device
+_SEEDS: Final = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # one per 8-byte half
+
+
+def _i64(value: int) -> int:
+    """``value`` modulo 2**64 as a signed int64 (torch has no uint64 arithmetic)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN: Final = _i64(0x9E3779B97F4A7C15)
+_M1: Final = _i64(0xBF58476D1CE4E5B9)
+_M2: Final = _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def weights(first: int, count: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Odd splitmix64 outputs for indices ``[first, first + count)`` under ``seed``."""
+    z = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    z = z * _GOLDEN + _i64(seed)
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return (z ^ _shr(z, 31)) | 1
+
+
+def region_digest(
+    cache: KVCache, blocks: Sequence[int], part: tuple[int, int] | None = None
+) -> bytes:
+    """The checksum of ``blocks``' bytes ``part`` (offset, length; None: whole
+    blocks) in every buffer of ``cache`` (see the module's docstring).
+
+    ValueError names a block id out of range or a part outside a block.
+    """
+    lay = cache.layout
+    offset, length = (0, lay.block_bytes) if part is None else part
+    if not (offset >= 0 and length > 0 and offset + length <= lay.block_bytes):
+        raise ValueError(f"part {part!r} is not inside a block of {lay.block_bytes} bytes")
+    for i, blk in enumerate(blocks):  # bool and float ids are bugs, not blocks
+        if type(blk) is not int or not 0 <= blk < lay.num_blocks:
+            raise ValueError(f"blocks[{i}] = {blk!r} out of range [0, {lay.num_blocks})")
+    word = 4 if length % 4 == 0 else 1
+    words = length // word
+    lanes = next(n for n in (_LANES, 8, 4, 2, 1) if words % n == 0)
+    dev = cache.device
+    acc = torch.zeros(len(_SEEDS), dtype=torch.int64, device=dev)
+    step = max(1, _CHUNK_BYTES // length)
+    row = 0  # rows digested so far: the next row's index
+    for buf in range(lay.num_buffers):
+        view = cache.rows(buf)[:, offset : offset + length]
+        for lo in range(0, len(blocks), step):
+            ids = torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=dev)
+            got = view.index_select(0, ids)  # contiguous (rows, length), on the device
+            data = got.view(torch.int32) if word == 4 else got
+            sums = data.view(len(ids), words // lanes, lanes).sum(dim=1, dtype=torch.int64)
+            flat = sums.flatten()
+            for k, seed in enumerate(_SEEDS):
+                w = weights(row * lanes, flat.numel(), seed, dev)
+                acc[k] += (flat * w).sum()
+            row += len(ids)
+    return b"".join(v.to_bytes(8, "little", signed=True) for v in acc.tolist())
