@@ -89,6 +89,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stuck_after_s=args.stuck_after,
         decode=args.decode,
         metadata=args.metadata,
+        curve_secret=args.curve_secret,
+        curve_server=args.curve_server,
     )
     try:
         summary = run(cfg)
@@ -99,6 +101,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for line in broken:
         print(f"kvguard run: {line}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from kvguard.curve import keygen
+
+    try:
+        public, secret = keygen(args.directory, args.name)
+    except (ValueError, OSError) as exc:  # FileExistsError: never overwritten
+        print(f"kvguard keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvguard keygen: public key {public} (hand it out), key pair {secret} (keep it)")
+    return 0
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -236,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="drive the `kvguard decode` service there instead of starting a local one",
     )
     p.add_argument(
+        "--curve-secret",
+        default=None,
+        metavar="FILE",
+        help="with --decode: this client's CURVE key pair (NAME.key_secret of `kvguard keygen`)",
+    )
+    p.add_argument(
+        "--curve-server",
+        default=None,
+        metavar="FILE",
+        help="with --decode: the service's public key (its NAME.key)",
+    )
+    p.add_argument(
         "--metadata",
         default="P2PHANDSHAKE",
         metavar="URL",
@@ -254,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "decode",
         help="serve a KV cache registered with Mooncake to `kvguard run --decode`",
         description="A decode service: owns a KV cache registered with Mooncake, "
-        "advertises it and answers verification over a control channel (ZeroMQ, "
-        "unauthenticated: see docs/security.md), until SIGINT/SIGTERM; then it stops "
+        "advertises it and answers verification over a control channel (ZeroMQ; CURVE "
+        "with --curve-secret/--curve-allowed, see docs/security.md), until SIGINT/SIGTERM; "
+        "then it stops "
         "listening and releases the engine. Exit status 0 after a clean stop, 2 if it "
         "cannot start.",
     )
@@ -263,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_service_arguments(p)
     p.set_defaults(func=_cmd_decode)
+
+    p = sub.add_parser(
+        "keygen",
+        help="write a CURVE key pair for kvguard's control channels",
+        description="Writes DIR/NAME.key (the public key: give it to the peers that "
+        "allow or reach this one) and DIR/NAME.key_secret (the pair, mode 0600: keep it). "
+        "Never overwrites a key. See docs/security.md.",
+    )
+    p.add_argument("directory", type=Path)
+    p.add_argument("name")
+    p.set_defaults(func=_cmd_keygen)
 
     p = sub.add_parser(
         "proxy",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvguard.curve import ClientKeys, ServerKeys
 from kvguard.vllm.decode_loads import DecodeReceiver, LoadOutcome
 from kvguard.vllm.integrity import Verifier
 from kvguard.vllm.prefill_pushes import PrefillSender
@@ -60,8 +61,11 @@ class Pair:
         prefill_heads: RankHeads | None = None,
         decode_heads: tuple[int, int] = (0, 0),
         wrap: Callable[[LocalBackend], TransferBackend] = lambda b: b,
+        server_keys: ServerKeys | None = None,
+        client_keys: ClientKeys | None = None,
     ) -> None:
-        """``wrap``: what the sender moves bytes with, around the backend."""
+        """``wrap``: what the sender moves bytes with, around the backend;
+        ``server_keys``, ``client_keys``: CURVE on the control channel."""
         self.src = KVCache(SRC_LAYOUT)
         self.src.fill_seeded(7)
         self.dst = KVCache(dst_layout)
@@ -74,6 +78,7 @@ class Pair:
             "tcp://127.0.0.1:0",
             heads=prefill_heads,
             head_major=prefill_heads is not None,
+            curve=server_keys,
         )
         self.verifier = Verifier(self.dst) if verify else None
         self.receiver = DecodeReceiver(
@@ -82,6 +87,7 @@ class Pair:
             heartbeat_timeout_s=0.6,
             heads=decode_heads,
             verify=self.verifier,
+            curve=client_keys,
         )
         self.released: set[str] = set()
         self.outcomes: dict[str, LoadOutcome] = {}

@@ -226,3 +226,35 @@ def test_a_probe_due_at_one_second_of_the_clock_is_still_made() -> None:
     assert len(core.link_event(EP, 1, LinkEvent.DROPPED, 0.5)) == 1
     assert core.step(0.5) == [Probe(EP)]
     assert core.next_wake() == 1.0 and core.step(1.0) == [Probe(EP)]
+
+
+def test_a_push_asks_for_a_digest_when_the_decode_verifies() -> None:
+    core = DecodeCore(PEER, verify=True)
+    core.expect("d", EP, "r", [5], 110.0, 1, now=100.0, wall=1000.0)
+    sent = Push("r", "d", [5], PEER, 1009.75, verify=True)
+    assert core.opened(EP, 1, 100.0) == [Send(EP, sent)]
+
+
+def test_a_denied_handshake_ends_every_load_of_a_new_link_at_once_unfenced() -> None:
+    """CURVE: the prefill refused this decode's key. Nothing was delivered
+    (frames flow only after a handshake): every load over, ``denied``, and
+    the link closed; a later load dials afresh."""
+    core = decode()
+    p = expect(core)
+    assert core.opened(EP, 1, 100.0) == [Send(EP, p)]
+    what = f"prefill {EP}: {LinkEvent.DENIED.value}"
+    assert core.link_event(EP, 1, LinkEvent.DENIED, 100.5) == [
+        Report(LoadOutcome("d", LoadEnd.DENIED, what, 0.5)),
+        Close(EP),
+    ]
+    assert core.links() == 0 and core.drained()
+    assert core.expect("e", EP, "r", [6], 120.0, 1, now=101.0, wall=1001.0) == [Open(EP, 2)]
+
+
+def test_a_denial_on_a_link_that_was_up_changes_nothing() -> None:
+    """A key revoked while loads run: what was sent may still be written,
+    so those loads wait for a Result, a probe or their deadline."""
+    core = decode()
+    up(core)
+    assert core.link_event(EP, 1, LinkEvent.DENIED, 100.5) == []
+    assert core.waiting() == 1

@@ -814,6 +814,49 @@ def test_a_bad_client_body_is_400_and_reaches_no_backend(data: bytes, message: s
     run(scenario())
 
 
+def test_with_an_api_key_only_its_bearer_reaches_a_backend() -> None:
+    """``--api-key``: /v1/* needs ``Authorization: Bearer <key>`` (compared in
+    constant time), passed on to both legs; /health stays open, as vLLM's."""
+    why = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+    denied = error(401, "AuthenticationError", why)
+
+    async def scenario() -> None:
+        async with (
+            backends(("P", vllm), ("D", vllm)) as (p, d),
+            proxy([p], [d], api_key="s3cret") as url,
+        ):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                reply = await post(url, COMPLETIONS, {"prompt": "a"}, headers=headers)
+                assert (reply.status, reply.json()) == (401, denied)
+            async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+                assert (r.status, await r.json()) == (401, denied)
+            assert p.received == d.received == []
+            assert (await get(url, "/health")).status == 200
+            auth = {"Authorization": "Bearer s3cret"}
+            reply = await post(url, COMPLETIONS, {"prompt": "a"}, headers=auth)
+            assert reply.status == 200
+            for leg in (*p.posts(), *d.posts()):
+                assert leg.headers["Authorization"] == "Bearer s3cret"
+
+    run(scenario())
+
+
+def test_the_api_key_comes_from_the_environment_unless_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    from kvguard.proxy.config import add_arguments, config_from_args
+
+    monkeypatch.setenv("KVGUARD_API_KEY", "from-env")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+    assert config_from_args(parser.parse_args(base)).api_key == "from-env"
+    assert config_from_args(parser.parse_args([*base, "--api-key", "k"])).api_key == "k"
+    assert "from-env" not in repr(config_from_args(parser.parse_args(base)))
+
+
 # ==== a client that leaves ========================================================
 
 
@@ -927,7 +970,7 @@ def test_urls_are_normalised() -> None:
 def test_the_error_table_and_the_package_exports() -> None:
     import kvguard.proxy
 
-    assert {f.status for f in Failure} == {400, 413, 502, 503, 504}
+    assert {f.status for f in Failure} == {400, 401, 413, 502, 503, 504}
     assert len({f.type for f in Failure}) == len(Failure)
     assert ProxyError.of(Failure.TIMEOUT, "m").body() == error(504, "UpstreamTimeoutError", "m")
     assert kvguard.proxy.__all__ == sorted(n for ns in kvguard.proxy._EXPORTS.values() for n in ns)

@@ -37,3 +37,14 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-with-stdin", action="store_true", help="also stop when stdin closes"
     )
+    parser.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="this service's CURVE key pair (NAME.key_secret of `kvguard keygen`); "
+        "with --curve-allowed, only clients holding an allowed key talk",
+    )
+    parser.add_argument(
+        "--curve-allowed",
+        metavar="DIR",
+        help="a directory of the allowed clients' public keys (NAME.key files)",
+    )

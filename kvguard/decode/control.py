@@ -34,6 +34,7 @@ from typing import Final, TypeVar
 import structlog
 import zmq
 
+from kvguard.curve import ClientKeys, Guard, ServerKeys, secure_client
 from transfer.backend import PeerInfo
 from transfer.errors import PeerProtocolError, TransferTimeout
 from transfer.peer_protocol import (
@@ -111,8 +112,10 @@ def endpoint_of(address: str) -> str:
     return tcp_url(*tcp_address(address))
 
 
-def _socket(kind: int, endpoint: str, max_frame: int) -> zmq.Socket[bytes]:
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+def _socket(
+    kind: int, endpoint: str, max_frame: int, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # close never waits for unsent messages
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.IPV6, 1 if "[" in endpoint else 0)
@@ -127,9 +130,13 @@ class ControlClient:
     _ids: itertools.count[int]  # request ids; never 0, never reused
     _lock: threading.Lock  # serialises calls; the socket is not thread-safe
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 30.0, curve: ClientKeys | None = None
+    ) -> None:
+        """``curve``: this client's key and the service's (``kvguard.curve``)."""
         self.endpoint = endpoint_of(endpoint)
         self.timeout_s = timeout_s
+        self._curve = curve
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._sock = None
@@ -137,6 +144,8 @@ class ControlClient:
 
     def _open(self) -> None:
         self._sock = _socket(zmq.DEALER, self.endpoint, MAX_REPLY_BYTES)
+        if self._curve is not None:
+            secure_client(self._sock, self._curve)
         self._sock.connect(self.endpoint)
 
     def request(
@@ -191,8 +200,10 @@ _R = TypeVar("_R", bound=Reply)
 class DecodeClient:
     """The typed calls a prefill side makes to a decode service."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 30.0) -> None:
-        self.channel = ControlClient(endpoint, timeout_s=timeout_s)
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 30.0, curve: ClientKeys | None = None
+    ) -> None:
+        self.channel = ControlClient(endpoint, timeout_s=timeout_s, curve=curve)
 
     @property
     def endpoint(self) -> str:
@@ -265,18 +276,27 @@ class ControlServer:
 
     endpoint: str  # as bound: a tcp port of 0 is replaced by the real one
 
-    def __init__(self, endpoint: str, handle: Callable[[bytes], bytes]) -> None:
+    def __init__(
+        self, endpoint: str, handle: Callable[[bytes], bytes], curve: ServerKeys | None = None
+    ) -> None:
+        """``curve``: only clients holding an allowed key talk (``kvguard.curve``),
+        on a context of its own (its ZAP handler judges no other socket)."""
         self._handle = handle
         url = endpoint_of(endpoint)  # ValueError before any socket exists
-        self._sock: zmq.Socket[bytes] | None = _socket(zmq.ROUTER, url, MAX_REQUEST_BYTES)
+        self._ctx = None if curve is None else zmq.Context()
+        self.guard = None if self._ctx is None or curve is None else Guard(self._ctx, curve)
+        self._sock: zmq.Socket[bytes] | None = _socket(
+            zmq.ROUTER, url, MAX_REQUEST_BYTES, self._ctx
+        )
+        if self.guard is not None:
+            self.guard.secure(self._sock)
         # A reply ZeroMQ cannot route raises instead of vanishing, so serve()
         # can say which one it dropped and why.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self._sock.bind(url)
         except zmq.ZMQError as exc:
-            self._sock.close()
-            self._sock = None
+            self.close()
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
         self.endpoint = str(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -312,3 +332,9 @@ class ControlServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -32,6 +32,7 @@ from typing import IO, Final
 
 import structlog
 
+from kvguard.curve import ServerKeys, warn_unauthenticated
 from transfer.backend import PeerInfo
 from transfer.cache import KVCache
 from transfer.layout import KVLayout
@@ -56,7 +57,7 @@ from transfer.peer_protocol import (
 )
 
 from .args import add_service_arguments
-from .control import ControlServer, endpoint_of
+from .control import ControlServer, endpoint_of, tcp_address
 from .process import ReceiverProcess
 
 __all__ = ["Receiver", "ReceiverProcess", "add_service_arguments", "main", "run_service"]
@@ -140,6 +141,20 @@ def _engine_ip(args: argparse.Namespace) -> str:
     return str(args.ip or host.strip("[]") or "127.0.0.1")
 
 
+def _server_keys(args: argparse.Namespace) -> ServerKeys | None:
+    """The control channel's CURVE keys (both flags), or None: unauthenticated,
+    which ``warn_unauthenticated`` says beyond loopback."""
+    secret, allowed = getattr(args, "curve_secret", None), getattr(args, "curve_allowed", None)
+    if secret or allowed:
+        if not (secret and allowed):
+            raise ValueError("--curve-secret and --curve-allowed go together")
+        return ServerKeys.load(secret, allowed)
+    endpoint = endpoint_of(args.listen)
+    if endpoint.startswith("tcp://"):
+        warn_unauthenticated("decode service control", tcp_address(endpoint)[0])
+    return None
+
+
 def run_service(args: argparse.Namespace, out: IO[str]) -> int:
     """Serve until SIGINT/SIGTERM (or stdin closes); release everything on the way out."""
     stop = threading.Event()
@@ -151,6 +166,7 @@ def run_service(args: argparse.Namespace, out: IO[str]) -> int:
         # Coming back under a name whose last holder was SIGKILLed: its keys
         # are still in the store (transfer.metadata); they can only be stale.
         clear_stale(args.metadata, name)
+        keys = _server_keys(args)
         receiver = Receiver(layout, ip=name, metadata=args.metadata, device=args.device)
     except Exception as exc:  # the parent reads the typed error on stderr
         print(f"kvguard decode: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -158,7 +174,7 @@ def run_service(args: argparse.Namespace, out: IO[str]) -> int:
     with contextlib.ExitStack() as closing:
         closing.callback(receiver.close)
         try:
-            server = ControlServer(args.listen, receiver.handle)
+            server = ControlServer(args.listen, receiver.handle, curve=keys)
         except OSError as exc:
             print(f"kvguard decode: {exc}", file=sys.stderr, flush=True)
             return 2

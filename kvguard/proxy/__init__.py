@@ -44,6 +44,7 @@ what went wrong                            status  type
 =========================================  ======  ==========================
 body not a JSON object, or a client's      400     BadRequestError
 ``kvguard_*`` key bad (``params``)
+``/v1/*`` without ``--api-key``'s bearer    401     AuthenticationError
 body over ``max_body_bytes``               413     RequestTooLargeError
 a leg: cannot connect                      502     UpstreamUnreachableError
 a leg: no connection / reply in time       504     UpstreamTimeoutError

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_DECODE_TIMEOUT_S",
     "DEFAULT_HEALTH_TIMEOUT_S",
@@ -23,6 +25,8 @@ __all__ = [
     "config_from_args",
 ]
 
+# Where --api-key comes from when not given (as vLLM's VLLM_API_KEY).
+API_KEY_ENV = "KVGUARD_API_KEY"
 # A prefill computes the whole prompt and one token: seconds, not minutes.
 DEFAULT_PREFILL_TIMEOUT_S = 30.0
 # A decode streams up to max_tokens tokens, its KV load included.
@@ -75,6 +79,9 @@ class ProxyConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Non-empty: /v1/* needs ``Authorization: Bearer <api_key>`` (401 else),
+    # passed on to the servers, which may check the same key (vLLM --api-key).
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -129,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="N",
         help="largest request, reply or event held in memory (default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+        "unset: none), passed on to the servers",
     )
     parser.add_argument(
         "--log-level",

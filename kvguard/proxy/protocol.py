@@ -124,6 +124,7 @@ class Failure(enum.Enum):
     """
 
     BAD_REQUEST = (400, "BadRequestError")  # not a JSON object, or bad kvguard_* keys
+    UNAUTHORIZED = (401, "AuthenticationError")  # no or another bearer key (--api-key)
     TOO_LARGE = (413, "RequestTooLargeError")  # over max_body_bytes
     UNREACHABLE = (502, "UpstreamUnreachableError")  # no connection
     DISCONNECTED = (502, "UpstreamDisconnectedError")  # closed before the reply ended

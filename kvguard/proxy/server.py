@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import structlog
@@ -35,6 +36,7 @@ __all__ = ["make_app", "run_proxy", "serve"]
 log = structlog.get_logger("kvguard.proxy")
 
 _PROXY: Final = web.AppKey("kvguard_proxy", Proxy)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error_response(err: ProxyError, request_id: str | None = None) -> web.Response:
@@ -143,6 +145,20 @@ async def _health(request: web.Request) -> web.StreamResponse:
     )
 
 
+@web.middleware
+async def _authorized(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """With an API key, /v1/* answers 401 to a request without its bearer
+    token (compared in constant time); /health stays open, as vLLM's."""
+    key = request.app[_PROXY].config.api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            log.warning("proxy_unauthorized", path=request.path, remote=request.remote)
+            why = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            return _error_response(ProxyError.of(Failure.UNAUTHORIZED, why))
+    return await handler(request)
+
+
 def make_app(config: ProxyConfig) -> web.Application:
     """The proxy as an aiohttp application.
 
@@ -150,7 +166,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     :func:`run_proxy` do), or a client's disconnect does not cancel its legs.
     """
     proxy = Proxy(config)
-    app = web.Application(client_max_size=config.max_body_bytes)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_authorized])
     app[_PROXY] = proxy
     app.cleanup_ctx.append(proxy.session_context)
     app.router.add_post(COMPLETIONS, _generate)

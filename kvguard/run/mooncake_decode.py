@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from kvguard.curve import ClientKeys
 from kvguard.decode.control import DecodeClient, endpoint_of
 from kvguard.decode.service import ReceiverProcess
 from transfer import KVLayout, PeerInfo
@@ -104,7 +105,12 @@ def _route_ip(endpoint: str) -> str:
 
 def _connect(cfg: RunConfig, layout: KVLayout, timeout_s: float) -> MooncakeDecode:
     address = str(cfg.decode)
-    client = DecodeClient(address, timeout_s=timeout_s)
+    keys = None
+    if cfg.curve_secret or cfg.curve_server:
+        if not (cfg.curve_secret and cfg.curve_server):
+            raise ValueError("--curve-secret and --curve-server go together")
+        keys = ClientKeys.load(cfg.curve_secret, cfg.curve_server)
+    client = DecodeClient(address, timeout_s=timeout_s, curve=keys)
     try:
         peer = client.peer(timeout=_CONNECT_TIMEOUT_S)
         if peer.layout != layout:

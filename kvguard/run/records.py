@@ -40,6 +40,9 @@ class RunConfig:
     metrics_port: int | None = None  # serve /metrics on 127.0.0.1 while running; 0: any port
     stuck_after_s: float | None = None  # warn about requests live for longer than this
     decode: str | None = None  # HOST:PORT of a `kvguard decode`; None: start one locally
+    # With ``decode``: this client's CURVE key pair and the service's public key (files).
+    curve_secret: str | None = None
+    curve_server: str | None = None
     metadata: str = "P2PHANDSHAKE"  # the engine's metadata mode (transfer.metadata)
     # How long an alive but unreachable decode side (a cut link) is asked again
     # before its DONE requests count as unverified (kvguard.run.verify).
@@ -58,6 +61,9 @@ class RunConfig:
             "--fragmentation": 0.0 <= self.fragmentation <= 1.0,
             "--metrics-port": self.metrics_port is None or 0 <= self.metrics_port <= 65535,
             "--stuck-after": self.stuck_after_s is None or self.stuck_after_s > 0,
+            # Keys are for a service elsewhere: the local child listens on loopback.
+            "--curve-secret/--curve-server (with --decode only)": self.decode is not None
+            or not (self.curve_secret or self.curve_server),
         }
         bad = [name for name, ok in problems.items() if not ok]
         if bad:

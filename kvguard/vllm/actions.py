@@ -95,6 +95,7 @@ class SenderStats:
     refused: int = 0  # a push that could not be submitted
     loads: int = 0  # loads answered (a request serves one per decode child)
     renewed: int = 0  # holds extended by a decode whose request queues
+    denied: int = 0  # handshakes of decodes without an allowed CURVE key
     by_reason: dict[str, int] = field(default_factory=dict)
 
     def ended(self, end: LoadEnd) -> None:

@@ -149,7 +149,8 @@ class LinkSide:
             # Never connected: nothing we sent was delivered (messages flow
             # only after a handshake), and closing the link drops what it
             # queued, so no prefill started later gets it.
-            self._drop_all(link, what, now, out)
+            end = LoadEnd.DENIED if ev is LinkEvent.DENIED else LoadEnd.PEER_LOST
+            self._drop_all(link, what, now, out, end)
             return out
         else:
             # Dropped: killed, or silent (frozen, partitioned), or a remade
@@ -196,10 +197,17 @@ class LinkSide:
         else:
             link.queued.append(msg)
 
-    def _drop_all(self, link: Link, what: str, now: float, out: list[DecodeAction]) -> None:
-        """Proof nothing of this prefill writes: every load over, link closed."""
+    def _drop_all(
+        self,
+        link: Link,
+        what: str,
+        now: float,
+        out: list[DecodeAction],
+        end: LoadEnd = LoadEnd.PEER_LOST,
+    ) -> None:
+        """Proof nothing of this prefill writes: every load over (``end``), link closed."""
         for rid in sorted(link.waits):
-            self._over(self._waits[rid], LoadEnd.PEER_LOST, what, now, out)
+            self._over(self._waits[rid], end, what, now, out)
         self._close(link, out)
 
     def _close(self, link: Link, out: list[DecodeAction]) -> None:

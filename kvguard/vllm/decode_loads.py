@@ -30,6 +30,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvguard.curve import ClientKeys, secure_client
 from transfer.errors import PeerProtocolError
 from transfer.peer_protocol import PeerMessage
 
@@ -56,6 +57,7 @@ _LINK_EVENTS: Final[dict[int, LinkEvent]] = {
     int(zmq.EVENT_CONNECT_DELAYED): LinkEvent.CONNECTING,
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): LinkEvent.HANDSHAKE_FAILED,
     int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): LinkEvent.HANDSHAKE_FAILED_PROTOCOL,
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): LinkEvent.DENIED,
 }
 _EVENTS: Final = sum(_LINK_EVENTS)
 
@@ -103,6 +105,7 @@ class DecodeReceiver:
         compat: str = "",
         heads: tuple[int, int] = (0, 0),
         verify: Verifier | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
         """``peer``: what this side advertises (Mooncake session, layout,
         regions). ``margin_s``: the prefill is told to finish that much
@@ -110,7 +113,9 @@ class DecodeReceiver:
         ``compat``: this side's KV layout fingerprint, and ``heads`` (first,
         count) the KV heads its blocks hold, sent with each push. ``verify``
         checks each loaded Result's digest against this side's blocks
-        (``integrity``); None loads unverified."""
+        (``integrity``); None loads unverified. ``curve``: this decode's key
+        and the prefills' (``kvguard.curve``)."""
+        self._curve = curve
         # No handshake this long after a connect or drop: stalled (one takes ms).
         self.peer = peer
         self._core = DecodeCore(
@@ -314,6 +319,8 @@ class DecodeReceiver:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb_timeout_ms)
             sock.setsockopt(zmq.HEARTBEAT_TTL, self._hb_timeout_ms)
             sock.setsockopt(zmq.IPV6, 1 if "[" in endpoint else 0)
+            if self._curve is not None:
+                secure_client(sock, self._curve)
             # One identity across reconnects: the prefill's ROUTER hands the
             # new connection over and its late Results reach us.
             sock.setsockopt(zmq.ROUTING_ID, self._identity)

@@ -32,6 +32,7 @@ import msgspec
 import structlog
 import zmq
 
+from kvguard.curve import Guard, ServerKeys
 from kvguard.decode.control import endpoint_of
 from lifecycle import TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
@@ -75,6 +76,7 @@ class PrefillSender:
         max_hold_s: float = 300.0,
         heads: RankHeads | None = None,
         head_major: bool = False,
+        curve: ServerKeys | None = None,
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
         faults: a wrapper forwards each decode's regions to what it wraps);
@@ -84,7 +86,8 @@ class PrefillSender:
         past ``max_hold_s`` after the hold began (blocks pinned by a decode
         that queues them). ``heads``: the KV heads this tensor parallel rank
         holds; a decode rank holding others gets the heads both hold, which
-        needs heads outermost in a block (``head_major``)."""
+        needs heads outermost in a block (``head_major``). ``curve``: only
+        decodes holding an allowed key may talk (``kvguard.curve``)."""
         self._core = PrefillCore(
             compat=compat,
             renew_s=renew_s,
@@ -110,7 +113,10 @@ class PrefillSender:
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
+        self._guard = None if curve is None else Guard(self._ctx, curve)
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        if self._guard is not None:
+            self._guard.secure(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone decode raises
@@ -121,6 +127,8 @@ class PrefillSender:
             sock.bind(endpoint_of(bind))
         except zmq.ZMQError as exc:
             sock.close()
+            if self._guard is not None:
+                self._guard.close()
             self._ctx.term()
             self._sched.close(timeout=1.0)
             raise OSError(f"kvguard sender cannot listen on {bind}: {exc}") from exc
@@ -175,6 +183,8 @@ class PrefillSender:
         self._thread.join(timeout)
         self._sched.close(timeout=timeout)
         self._sock.close()
+        if self._guard is not None:
+            self._guard.close()
         self._ctx.term()
 
     # -- the sender thread -----------------------------------------------------
@@ -215,8 +225,9 @@ class PrefillSender:
         if wake is not None and wake <= now:
             self._apply(core.step(now), later)
         # Stats first: whoever hears of a release or an answer finds it counted.
+        denied = 0 if self._guard is None else self._guard.denied
         with self._lock:
-            self._stats = replace(core.stats, by_reason=dict(core.stats.by_reason))
+            self._stats = replace(core.stats, by_reason=dict(core.stats.by_reason), denied=denied)
             self._holding, self._held_blocks = core.holding(), core.held_blocks()
             self._peers = core.peers()
             self._released.update(a.request_id for a in later if isinstance(a, Release))

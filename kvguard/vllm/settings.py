@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvguard.curve import ClientKeys, ServerKeys
 from transfer.affinity import parse_cpus
 from transfer.mooncake import MooncakeBackend, engine_peer_budget
 
@@ -53,6 +54,12 @@ class Settings:
     # decode: check each load's digest against the prefill's (``integrity``);
     # a mismatch fails the load, and vLLM's kv_load_failure_policy applies.
     verify: bool = True
+    # CURVE keys of the control channel (kvguard.curve), paths: this side's
+    # NAME.key_secret; prefill: a directory of the decodes' allowed NAME.key
+    # files; decode: the prefills' public NAME.key. None set: unauthenticated.
+    curve_secret: str = ""
+    curve_allowed: str = ""
+    curve_server: str = ""
 
     @classmethod
     def of(cls, extra: dict[str, Any]) -> Settings:
@@ -86,6 +93,29 @@ class Settings:
         except ValueError as exc:
             raise ValueError(f"kvguard_cpus: {exc}") from None
         return s
+
+    def server_keys(self) -> ServerKeys | None:
+        """Prefill: its CURVE keys, or None without any; ValueError names a
+        missing half or a file that cannot be read."""
+        if not (self.curve_secret or self.curve_allowed):
+            return None
+        if not (self.curve_secret and self.curve_allowed):
+            raise ValueError(
+                "a prefill's CURVE keys need both kvguard_curve_secret and kvguard_curve_allowed, "
+                f"got {self.curve_secret!r} and {self.curve_allowed!r}"
+            )
+        return ServerKeys.load(self.curve_secret, self.curve_allowed)
+
+    def client_keys(self) -> ClientKeys | None:
+        """Decode: its CURVE keys, or None without any; ValueError as ``server_keys``."""
+        if not (self.curve_secret or self.curve_server):
+            return None
+        if not (self.curve_secret and self.curve_server):
+            raise ValueError(
+                "a decode's CURVE keys need both kvguard_curve_secret and kvguard_curve_server, "
+                f"got {self.curve_secret!r} and {self.curve_server!r}"
+            )
+        return ClientKeys.load(self.curve_secret, self.curve_server)
 
     @property
     def endpoint(self) -> str:

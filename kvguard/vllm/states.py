@@ -54,6 +54,7 @@ class LoadEnd(enum.Enum):
     BAD_REQUEST = "bad_request"  # ids or sizes the protocol's bounds refuse
     INCOMPATIBLE = "incompatible"  # layouts or tensor parallel sizes cannot pair
     INTEGRITY = "integrity"  # the blocks' digest is not the one of what the prefill wrote
+    DENIED = "denied"  # the prefill refused this decode's CURVE key: nothing was sent
     # prefill side, on the wire
     ABORTED = "aborted"  # the decode gave the load up (also kvguard's ABORTED)
     UNKNOWN_REQUEST = "unknown_request"  # not held there (expired, released, never)
@@ -210,6 +211,7 @@ class LinkEvent(enum.Enum):
     CONNECTING = "connecting"
     HANDSHAKE_FAILED = "handshake failed"
     HANDSHAKE_FAILED_PROTOCOL = "handshake failed (protocol)"
+    DENIED = "handshake denied: this decode's CURVE key is not allowed there"
 
     @property
     def acted_on(self) -> bool:
@@ -217,7 +219,7 @@ class LinkEvent(enum.Enum):
 
 
 _ACTED_ON: Final = frozenset(
-    {LinkEvent.HANDSHAKE, LinkEvent.DROPPED, LinkEvent.REFUSED, LinkEvent.CLOSED}
+    {LinkEvent.HANDSHAKE, LinkEvent.DROPPED, LinkEvent.REFUSED, LinkEvent.CLOSED, LinkEvent.DENIED}
 )
 
 
@@ -227,7 +229,7 @@ LINK: Final = StateTable(
     LinkState,
     [
         Edge(LinkState.DIALING, "handshake", LinkState.UP),
-        Edge(LinkState.DIALING, "refused | dropped | dial failed", LinkState.CLOSED),
+        Edge(LinkState.DIALING, "refused | dropped | denied | dial failed", LinkState.CLOSED),
         Edge(LinkState.DIALING, "stalled", LinkState.REDIALING),
         Edge(LinkState.DIALING, "idle | proof", LinkState.CLOSED),
         Edge(LinkState.REDIALING, "handshake", LinkState.UP),

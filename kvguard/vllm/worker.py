@@ -26,6 +26,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
+from kvguard.curve import warn_unauthenticated
 from scheduler import RetryPolicy
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache
 from transfer.affinity import parse_cpus, threads_on
@@ -191,6 +192,9 @@ class KVGuardWorker:
                 mover = FaultInjectingBackend(
                     self.backend, FaultPlan(s.fault_seed, s.fault_rate, kinds)
                 )
+            keys = s.server_keys()
+            if keys is None:
+                warn_unauthenticated("vllm prefill control", s.host)
             port = s.control_port + self.rank.rank  # rank 0's is the one peers are told
             low, high = _ephemeral_ports()
             if low <= port <= high:
@@ -213,6 +217,7 @@ class KVGuardWorker:
                 max_hold_s=s.max_hold_s,
                 heads=self.rank,
                 head_major=self.head_major,
+                curve=keys,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
@@ -223,6 +228,7 @@ class KVGuardWorker:
                 compat=self.compat,
                 heads=(self.rank.first, self.rank.count),
                 verify=self.make_verifier(),
+                curve=s.client_keys(),
             )
 
     # -- each step -------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""kvguard.curve: key files, and the decode service's control channel under CURVE.
+
+Real ZeroMQ on loopback: a client holding an allowed key is answered; one
+with another key, or with none, is never read (the handler is not called),
+gets a ``ServiceTimeout`` and is counted and logged as denied. Key files
+that cannot be used are refused naming the path.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvguard.cli import main
+from kvguard.curve import ClientKeys, ServerKeys, keygen, warn_unauthenticated
+from kvguard.decode.control import ControlClient, ControlServer, ServiceTimeout
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    """server, allowed client ``ok`` (its public key in allowed/), stranger ``other``."""
+    keygen(tmp_path, "server")
+    keygen(tmp_path, "ok")
+    keygen(tmp_path, "other")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "ok.key").write_bytes((tmp_path / "ok.key").read_bytes())
+    return tmp_path
+
+
+def test_keygen_writes_a_public_key_and_a_private_pair_and_never_overwrites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["keygen", str(tmp_path / "k"), "decode-a"]) == 0
+    public, secret = tmp_path / "k" / "decode-a.key", tmp_path / "k" / "decode-a.key_secret"
+    assert capsys.readouterr().out == (
+        f"kvguard keygen: public key {public} (hand it out), key pair {secret} (keep it)\n"
+    )
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert "secret-key" not in public.read_text() and "secret-key" in secret.read_text()
+    before = secret.read_bytes()
+    assert main(["keygen", str(tmp_path / "k"), "decode-a"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvguard keygen: {public} exists: keygen does not overwrite a key\n"
+    )
+    assert secret.read_bytes() == before
+    with pytest.raises(ValueError, match=r"a key name is a plain file name, got '\.\./x'"):
+        keygen(tmp_path, "../x")
+
+
+def test_unusable_key_files_are_refused_naming_the_path(keys: Path) -> None:
+    with pytest.raises(ValueError, match=r"cannot read a CURVE key pair from '.*/nope'"):
+        ServerKeys.load(keys / "nope", keys / "allowed")
+    with pytest.raises(ValueError, match=r"'.*/server\.key' holds no secret key"):
+        ServerKeys.load(keys / "server.key", keys / "allowed")
+    with pytest.raises(ValueError, match=r"no directory of allowed CURVE public keys at '.*/x'"):
+        ServerKeys.load(keys / "server.key_secret", keys / "x")
+    with pytest.raises(ValueError, match=r"cannot read a CURVE public key from '.*/gone\.key'"):
+        ClientKeys.load(keys / "ok.key_secret", keys / "gone.key")
+    server = ServerKeys.load(keys / "server.key_secret", keys / "allowed")
+    client = ClientKeys.load(keys / "ok.key_secret", keys / "server.key")
+    assert server.allowed == {client.public} and client.server == server.public
+
+
+def _served(keys: Path) -> tuple[ControlServer, list[bytes]]:
+    seen: list[bytes] = []
+
+    def handle(body: bytes) -> bytes:
+        seen.append(body)
+        return b"pong:" + body
+
+    server = ControlServer(
+        "127.0.0.1:0", handle, curve=ServerKeys.load(keys / "server.key_secret", keys / "allowed")
+    )
+    return server, seen
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_only_a_client_with_an_allowed_key_is_read(keys: Path) -> None:
+    server, seen = _served(keys)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    ok = ControlClient(
+        server.endpoint, curve=ClientKeys.load(keys / "ok.key_secret", keys / "server.key")
+    )
+    other = ControlClient(
+        server.endpoint, curve=ClientKeys.load(keys / "other.key_secret", keys / "server.key")
+    )
+    plain = ControlClient(server.endpoint)
+    try:
+        assert ok.request(b"a", timeout=10.0) == b"pong:a"
+        with capture_logs() as logs:
+            for client in (other, plain):
+                with pytest.raises(ServiceTimeout, match=r"no reply from tcp://127\.0\.0\.1:"):
+                    client.request(b"evil", timeout=0.5)
+        assert seen == [b"a"]  # neither stranger was read
+        assert server.guard is not None and server.guard.denied >= 1
+        denied = [e for e in logs if e["event"] == "curve_denied"]
+        assert denied and denied[0]["key"] == ClientKeys.load(
+            keys / "other.key_secret", keys / "server.key"
+        ).public.decode("ascii")
+        assert ok.request(b"b", timeout=10.0) == b"pong:b"  # the service goes on
+    finally:
+        for client in (ok, other, plain):
+            client.close()
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+LOOPBACK = [("127.0.0.1", False), ("[::1]", False), ("localhost", False), ("127.0.0.2", False)]
+
+
+@pytest.mark.usefixtures("all_levels")
+@pytest.mark.parametrize(
+    ("host", "warned"), [("10.0.0.1", True), ("0.0.0.0", True), ("[fd00::1]", True), *LOOPBACK]
+)
+def test_no_keys_beyond_loopback_is_warned_once_naming_the_channel(host: str, warned: bool) -> None:
+    with capture_logs() as logs:
+        warn_unauthenticated("prefill control", host)
+    expected = [
+        {
+            "event": "control_unauthenticated",
+            "channel": "prefill control",
+            "host": host,
+            "fix": "configure CURVE keys (kvguard keygen; docs/security.md)",
+            "log_level": "warning",
+        }
+    ]
+    assert logs == (expected if warned else [])
