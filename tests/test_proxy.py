@@ -38,6 +38,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvguard.proxy import Failure, ProxyConfig, ProxyError, serve
+from kvguard.proxy.backends import Pool
 from kvguard.proxy.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -84,7 +85,15 @@ class Backend:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
+    # The proxy's background /health probes: answered here, never recorded
+    # (a test sees only the legs), counted; a test sets the status.
+    health: int = 200
+    probes: int = 0
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/health":
+            self.probes += 1
+            return web.Response(status=self.health)
         data = await request.read()
         body = json.loads(data) if data else None
         self.received.append(Received(request.method, request.path, body, request.headers.copy()))
@@ -890,6 +899,106 @@ def test_a_client_that_disconnects_cancels_the_leg_in_flight(
     assert event[f"{leg}_s"] >= 0
 
 
+# ==== backends that are down =======================================================
+
+
+def test_a_prefill_that_refuses_connections_is_retried_on_the_next_and_skipped(
+    logs: list[MutableMapping[str, Any]],
+) -> None:
+    """Nothing was sent to a prefill that cannot be connected to: the same
+    request goes to the next one, and the dead one is skipped from then on
+    (until a /health probe answers again)."""
+
+    async def scenario() -> None:
+        gone = f"http://127.0.0.1:{closed_port()}"
+        async with backends(("P", vllm), ("D", vllm)) as (p, d):
+            config = ProxyConfig([gone, p.url], [d.url], health_interval_s=3600)
+            async with serve(config) as url:
+                await asyncio.sleep(0.1)  # the first probe marks it down already
+                replies = [await post(url, COMPLETIONS, {"prompt": f"q{i}"}) for i in range(4)]
+            assert [r.status for r in replies] == [200] * 4
+            assert len(p.posts()) == 4 and len(d.posts()) == 4
+
+    run(scenario())
+    down = [e for e in logs if e["event"] == "backend_down"]
+    assert [(e["role"], e["url"]) for e in down] == [("prefill", down[0]["url"])]
+    assert not [e for e in logs if e["event"] == "prefill_retried"]  # skipped, never tried
+
+
+def test_a_prefill_found_dead_by_a_request_is_retried_on_the_next_and_skipped(
+    logs: list[MutableMapping[str, Any]],
+) -> None:
+    """A prefill that dies between probes: the request that finds it refusing
+    connections goes on to the next prefill (once), and it is skipped after."""
+
+    async def scenario() -> None:
+        async with backends(("P1", vllm), ("D", vllm)) as (p1, d):
+            async with contextlib.AsyncExitStack() as stack:
+                (p0,) = await stack.enter_async_context(backends(("P0", vllm)))
+                config = ProxyConfig([p0.url, p1.url], [d.url], health_interval_s=3600)
+                async with serve(config) as url:
+                    while p0.probes < 1:  # probed up, then it dies
+                        await asyncio.sleep(0.01)
+                    dead = p0.url
+                    await stack.aclose()
+                    replies = [await post(url, COMPLETIONS, {"prompt": f"q{i}"}) for i in range(3)]
+            assert [r.status for r in replies] == [200] * 3
+            assert len(p1.posts()) == 3 and len(d.posts()) == 3
+            retried = [e for e in logs if e["event"] == "prefill_retried"]
+            assert [e["failed"] for e in retried] == [dead]
+            down = [e for e in logs if e["event"] == "backend_down"]
+            assert [(e["role"], e["url"]) for e in down] == [("prefill", dead)]
+            assert down[0]["why"] == f"prefill {dead}: cannot connect (Connection refused)"
+
+    run(scenario())
+
+
+def test_a_decode_whose_health_fails_is_skipped_until_it_answers_again(
+    logs: list[MutableMapping[str, Any]],
+) -> None:
+    async def scenario() -> None:
+        async with backends(("P", vllm), ("D0", vllm), ("D1", vllm)) as (p, d0, d1):
+            d0.health = 503
+            config = ProxyConfig([p.url], [d0.url, d1.url], health_interval_s=0.05)
+            async with serve(config) as url:
+                while d0.probes < 1 or d1.probes < 1:
+                    await asyncio.sleep(0.01)
+                for i in range(3):
+                    assert (await post(url, COMPLETIONS, {"prompt": f"a{i}"})).status == 200
+                assert (len(d0.posts()), len(d1.posts())) == (0, 3)
+                d0.health = 200
+                seen = d0.probes
+                while d0.probes < seen + 2:
+                    await asyncio.sleep(0.01)
+                for i in range(4):
+                    assert (await post(url, COMPLETIONS, {"prompt": f"b{i}"})).status == 200
+                assert len(d0.posts()) == 2 and len(d1.posts()) == 5
+
+    run(scenario())
+    changes = [(e["event"], e["role"]) for e in logs if e["event"].startswith("backend_")]
+    assert changes == [("backend_down", "decode"), ("backend_up", "decode")]
+
+
+def test_a_pool_picks_up_backends_in_turn_and_falls_back_when_all_are_down() -> None:
+    @dataclass(frozen=True)
+    class B:
+        url: str
+
+    pool = Pool("decode", [B("a"), B("b"), B("c")])
+    assert [pool.pick().url for _ in range(4)] == ["a", "b", "c", "a"]  # type: ignore[union-attr]
+    pool.mark("b", "HTTP 503")
+    assert [pool.pick().url for _ in range(3)] == ["c", "a", "c"]  # type: ignore[union-attr]
+    got = pool.pick({"a"})
+    assert got is not None and got.url == "c"
+    pool.mark("a", "x")
+    pool.mark("c", "x")
+    got = pool.pick()  # every one down: the rotation goes on
+    assert got is not None and got.url in "abc"
+    assert pool.pick({"a", "b", "c"}) is None
+    pool.mark("a", None)
+    assert pool.down == {"b": "HTTP 503", "c": "x"}
+
+
 # ==== /v1/models and /health ======================================================
 
 
@@ -897,6 +1006,7 @@ def test_models_is_a_decodes_and_health_needs_every_backend() -> None:
     async def scenario() -> None:
         specs = [("P", vllm), ("D0", vllm), ("D1", vllm), ("bad", http_error(500, b"x"))]
         async with backends(*specs) as (p, d0, d1, bad):
+            bad.health = 500
             async with proxy([p], [d0, d1]) as url:
                 models = [await get(url, "/v1/models") for _ in range(3)]
                 assert [m.json()["data"][0]["id"] for m in models] == ["D0", "D1", "D0"]

@@ -17,6 +17,7 @@ __all__ = [
     "API_KEY_ENV",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_DECODE_TIMEOUT_S",
+    "DEFAULT_HEALTH_INTERVAL_S",
     "DEFAULT_HEALTH_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_PREFILL_TIMEOUT_S",
@@ -33,8 +34,9 @@ DEFAULT_PREFILL_TIMEOUT_S = 30.0
 DEFAULT_DECODE_TIMEOUT_S = 300.0
 # Establishing a TCP connection to a backend (within each leg's deadline).
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
-# One /health probe of one backend.
+# One /health probe of one backend, and how often each is probed.
 DEFAULT_HEALTH_TIMEOUT_S = 5.0
+DEFAULT_HEALTH_INTERVAL_S = 2.0
 # Any body the proxy holds in memory: a client's request, a prefill's reply,
 # a non-streamed decode reply, one server-sent event.
 DEFAULT_MAX_BODY_BYTES = 32 << 20
@@ -79,6 +81,8 @@ class ProxyConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # How often each backend's /health is probed; one that fails is skipped.
+    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
     # Non-empty: /v1/* needs ``Authorization: Bearer <api_key>`` (401 else),
     # passed on to the servers, which may check the same key (vLLM --api-key).
     api_key: str = field(default="", repr=False)
@@ -90,7 +94,7 @@ class ProxyConfig:
             normal = tuple(_base_url(role, u) for u in urls)
             object.__setattr__(self, f"{role}_urls", normal)
         for f in fields(self):
-            if f.name.endswith("_timeout_s"):
+            if f.name.endswith(("_timeout_s", "_interval_s")):
                 value = getattr(self, f.name)
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ValueError(f"{f.name} must be a number, got {value!r}")
@@ -126,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
         ("--connect-timeout-s", DEFAULT_CONNECT_TIMEOUT_S, "TCP connect to a backend"),
         ("--health-timeout-s", DEFAULT_HEALTH_TIMEOUT_S, "one backend's /health probe"),
+        (
+            "--health-interval-s",
+            DEFAULT_HEALTH_INTERVAL_S,
+            "how often each backend's /health is probed (one that fails is skipped)",
+        ),
     ):
         parser.add_argument(
             flag, type=float, default=default, metavar="S", help=f"{what} (default %(default)s)"

@@ -24,6 +24,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from .backends import Pool
 from .config import ProxyConfig
 from .protocol import Failure, ProxyError, json_type, upstream_http_error
 
@@ -136,9 +137,10 @@ class Proxy:
             Leg("decode", u, c.decode_timeout_s, c.connect_timeout_s) for u in c.decode_urls
         ]
         # Independent cursors, as in vLLM's toy proxy; /v1/models has its own
-        # so that it does not shift the decodes' rotation.
-        self.next_prefill = itertools.cycle(self.prefills).__next__
-        self.next_decode = itertools.cycle(self.decodes).__next__
+        # so that it does not shift the decodes' rotation. A backend known
+        # down is skipped (``backends``).
+        self.prefill_pool = Pool("prefill", self.prefills)
+        self.decode_pool = Pool("decode", self.decodes)
         self.next_models = itertools.cycle(self.decodes).__next__
         self._session: aiohttp.ClientSession | None = None
 
@@ -155,8 +157,36 @@ class Proxy:
             connector=connector, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
             self._session = session
-            yield
-            self._session = None
+            watch = asyncio.create_task(self._watch())
+            try:
+                yield
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+                self._session = None
+
+    async def probe(self, leg: Leg) -> str | None:
+        """None if ``leg`` answers ``GET /health`` with 200 in time, else why not."""
+        c = self.config
+        probe = Leg(leg.name, leg.url, c.health_timeout_s, c.connect_timeout_s)
+        try:
+            async with self.exchange(probe, "GET", "/health") as resp:
+                if resp.status == 200:
+                    return None
+                return f"{probe.name} {probe.url}: HTTP {resp.status}"
+        except ProxyError as err:
+            return err.message
+
+    async def _watch(self) -> None:
+        """Probe every backend each ``health_interval_s``: skip those down."""
+        pools = [(self.prefill_pool, leg) for leg in self.prefills]
+        pools += [(self.decode_pool, leg) for leg in self.decodes]
+        while True:
+            whys = await asyncio.gather(*(self.probe(leg) for _, leg in pools))
+            for (pool, leg), why in zip(pools, whys, strict=True):
+                pool.mark(leg.url, why)
+            await asyncio.sleep(self.config.health_interval_s)
 
     @contextlib.asynccontextmanager
     async def exchange(

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 
 from .config import ProxyConfig
-from .legs import ClientGone, Leg, Proxy, Record
+from .legs import ClientGone, Proxy, Record
 from .protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -70,12 +70,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         body = await _client_body(request, proxy.config.max_body_bytes)
         headers = _upstream_headers(request, rec.request_id)
-        leg = proxy.next_prefill()
-        with rec.leg(leg):
-            params = await proxy.prefill(
-                leg, request.path, prefill_request(request.path, body), headers, rec
-            )
-        leg = proxy.next_decode()
+        params = await _prefill(proxy, request.path, body, headers, rec)
+        leg = proxy.decode_pool.pick()
+        assert leg is not None  # a pool of one or more, nothing tried
         with rec.leg(leg):
             out, error = await proxy.decode(
                 request, leg, decode_request(body, params), headers, rec
@@ -96,6 +93,26 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     return out
 
 
+async def _prefill(
+    proxy: Proxy, path: str, body: dict[str, Any], headers: dict[str, str], rec: Record
+) -> dict[str, Any]:
+    """The prefill leg, on the next prefill that is up; one that cannot even
+    be connected to (nothing was sent) is marked down and the next one tried."""
+    tried: set[str] = set()
+    while True:
+        leg = proxy.prefill_pool.pick(tried)
+        assert leg is not None  # the loop ends before every one was tried
+        try:
+            with rec.leg(leg):
+                return await proxy.prefill(leg, path, prefill_request(path, body), headers, rec)
+        except ProxyError as err:
+            tried.add(leg.url)
+            if err.type != Failure.UNREACHABLE.type or len(tried) == len(proxy.prefills):
+                raise
+            proxy.prefill_pool.mark(leg.url, err.message)
+            log.warning("prefill_retried", request_id=rec.request_id, failed=leg.url)
+
+
 async def _models(request: web.Request) -> web.StreamResponse:
     """``GET /v1/models``: a decode's answer, passed through."""
     proxy = request.app[_PROXY]
@@ -114,24 +131,11 @@ async def _models(request: web.Request) -> web.StreamResponse:
     return web.Response(body=data, headers={"Content-Type": content_type})
 
 
-async def _probe(proxy: Proxy, leg: Leg) -> str | None:
-    """None if ``leg`` answers ``GET /health`` with 200 in time, else why not."""
-    c = proxy.config
-    probe = Leg(leg.name, leg.url, c.health_timeout_s, c.connect_timeout_s)
-    try:
-        async with proxy.exchange(probe, "GET", "/health") as resp:
-            if resp.status == 200:
-                return None
-            return f"{probe.name} {probe.url}: HTTP {resp.status}"
-    except ProxyError as err:
-        return err.message
-
-
 async def _health(request: web.Request) -> web.StreamResponse:
     """``GET /health``: 200 only when every backend answers its own ``/health``."""
     proxy = request.app[_PROXY]
     legs = [*proxy.prefills, *proxy.decodes]
-    problems = [p for p in await asyncio.gather(*(_probe(proxy, leg) for leg in legs)) if p]
+    problems = [p for p in await asyncio.gather(*(proxy.probe(leg) for leg in legs)) if p]
     if problems:
         err = ProxyError.of(Failure.UNHEALTHY, "unhealthy: " + "; ".join(problems))
         log.warning("proxy_health", outcome=err.type, error=err.message)

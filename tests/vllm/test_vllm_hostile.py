@@ -1,0 +1,104 @@
+"""Hostile ``kv_transfer_params`` sent straight to the servers, as users run them.
+
+A client that skips the proxy can put anything in ``kv_transfer_params``.
+Neither server may crash, hold anything past the request, or make the
+request wait out its deadline for a value it can tell is bad: each request
+below is answered, either computed locally (a key that does not ask for a
+load) or failed at once naming why (``kv_load_failed`` with its reason in
+the decode's log); and a prefill asked with a junk deadline uses its own,
+and the PD request through it still equals non-PD. Afterwards every server is
+idle and serves (``settle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvguard.vllm.params import DEADLINE_S as DEADLINE_KEY
+from kvguard.vllm.params import (
+    DO_REMOTE_PREFILL,
+    ENDPOINT,
+    LOADS,
+    REQUEST_ID,
+    TP_SIZE,
+)
+from tests.vllm.client import Outcome, complete, pd, prompts_of, run
+from tests.vllm.cluster import (
+    DEADLINE_S,
+    FAILED,
+    MAX_TOKENS,
+    Cluster,
+    fresh,
+    references,
+    settle,
+)
+from tests.vllm.report import Row
+
+pytestmark = [pytest.mark.vllm]
+
+# How soon a request with a bad value it can tell must be answered: far
+# below the deadline it would otherwise wait out (a hang guard on a loaded host).
+AT_ONCE_S = DEADLINE_S / 2
+
+REFUSED = "tcp://127.0.0.1:1"  # nothing listens: refused at once
+ASK = {DO_REMOTE_PREFILL: True, ENDPOINT: REFUSED, REQUEST_ID: "x"}
+# (case, kv_transfer_params, the outcome's kind, the load's reason in the log or "")
+CASES: list[tuple[str, dict[str, Any], str, str]] = [
+    ("endpoint not a string", {**ASK, ENDPOINT: 5}, "ok", ""),
+    ("nested junk", {**ASK, ENDPOINT: {"a": [1]}, REQUEST_ID: [2]}, "ok", ""),
+    ("ipc endpoint", {**ASK, ENDPOINT: "ipc:///tmp/x"}, FAILED, "bad_endpoint"),
+    ("refused endpoint", ASK, FAILED, "peer_lost"),
+    ("request id of 100 kB", {**ASK, REQUEST_ID: "x" * 100_000}, FAILED, "bad_request"),
+    ("tensor parallel size junk", {**ASK, TP_SIZE: "2"}, FAILED, "incompatible"),
+    ("loads and deadline junk", {**ASK, LOADS: -7, DEADLINE_KEY: "soon"}, FAILED, "peer_lost"),
+]
+
+
+def test_hostile_params_to_a_decode_are_answered_at_once(cluster: Cluster) -> None:
+    c = cluster
+    prompt = prompts_of(1, seed=321)[0]
+    (want,) = references(c, c.fail, [prompt], [MAX_TOKENS])
+    row = Row("hostile kv_transfer_params straight to the decode")
+
+    async def go() -> list[Outcome]:
+        async with aiohttp.ClientSession() as http:
+            outs = await asyncio.gather(
+                *(complete(http, c.fail, prompt, MAX_TOKENS, kv) for _, kv, _, _ in CASES)
+            )
+            return [o for o, _ in outs]
+
+    outs = run(go())
+    row.add(outs, [want] * len(outs))
+    c.rows.append(row)
+    log = c.fail.log_tail(400, grep="kv_load_failed")
+    for (case, _, kind, reason), out in zip(CASES, outs, strict=True):
+        assert out.kind == kind, f"{case}: {out}\n{c.logs()}"
+        if kind == "ok":  # computed locally: the model's own tokens
+            assert out.tokens == list(want), f"{case}: {out}"
+        assert out.seconds < AT_ONCE_S, f"{case}: {out}"
+        if reason:
+            assert f"reason={reason}" in log, f"{case}: no {reason} in\n{log}"
+    settle(c, row)
+
+
+@pytest.mark.parametrize("junk", ["soon", -1, 1e308, None, [5]])
+def test_a_junk_deadline_to_a_prefill_gets_its_own_and_pd_still_equals_non_pd(
+    cluster: Cluster, junk: object
+) -> None:
+    c = cluster
+    prompt = prompts_of(1, seed=322)[0]
+    (want,) = references(c, c.fail, [prompt], [MAX_TOKENS])
+    fresh(c.prefill, c.fail)
+
+    async def go() -> Outcome:
+        async with aiohttp.ClientSession() as http:
+            return await pd(http, c.prefill, c.fail, prompt, MAX_TOKENS, kv={DEADLINE_KEY: junk})
+
+    got = run(go())
+    assert got.kind == "ok" and got.tokens == list(want), f"{got}\n{c.logs()}"
+    for s in c.servers:
+        s.wait_idle(DEADLINE_S)
