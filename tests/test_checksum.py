@@ -36,16 +36,16 @@ def reference(rows: list[bytes]) -> bytes:
     length = len(rows[0])
     word = 4 if length % 4 == 0 else 1
     words = length // word
-    lanes = next(n for n in (16, 8, 4, 2, 1) if words % n == 0)
+    parts = next(n for n in (16, 8, 4, 2, 1) if words % n == 0)
+    per = words // parts
     fmt = f"<{words}i" if word == 4 else f"<{words}B"
+    sums = []
+    for row in rows:
+        vals = struct.unpack(fmt, row)
+        sums += [sum(vals[p * per : (p + 1) * per]) % (1 << 32) for p in range(parts)]
     out = []
     for seed in SEEDS:
-        acc = 0
-        for r, row in enumerate(rows):
-            vals = struct.unpack(fmt, row)
-            for p in range(lanes):
-                acc += sum(vals[p::lanes]) * splitmix(r * lanes + p, seed)
-        acc &= MASK
+        acc = sum(v * splitmix(k, seed) for k, v in enumerate(sums)) & MASK
         out.append(acc.to_bytes(8, "little"))
     return b"".join(out)
 
@@ -81,16 +81,17 @@ def test_the_digest_is_the_reference_definition(block_bytes: int, part: str | No
 
 def test_one_known_digest_is_pinned() -> None:
     """Both sides of a deployment may run different builds: the definition
-    itself must not drift. Bytes 0..63 in one block, one layer's K and V."""
-    layout = KVLayout(num_layers=1, num_blocks=1, block_bytes=64)
+    itself must not drift. Bytes 0..255 in one block of one layer's K, their
+    complement in its V: 64 words in 16 runs of 4."""
+    layout = KVLayout(num_layers=1, num_blocks=1, block_bytes=256)
     cache = KVCache(layout)
-    for b in range(layout.num_buffers):
-        cache.rows(b)[0] = torch.arange(64, dtype=torch.uint8) + 64 * b
+    cache.rows(0)[0] = torch.arange(256, dtype=torch.uint8)
+    cache.rows(1)[0] = 255 - torch.arange(256, dtype=torch.uint8)
     assert region_digest(cache, [0]).hex() == reference(rows_of(cache, [0])).hex()
     assert region_digest(cache, [0]).hex() == PINNED
 
 
-PINNED = "c8c4398677afada0f8eba42b0be59c7c"
+PINNED = "28e248854adeb47900faaaea299f4e84"
 
 
 def test_the_same_bytes_digest_alike_whatever_holds_them() -> None:
@@ -149,6 +150,19 @@ def test_a_stale_a_swapped_and_a_half_written_block_are_caught() -> None:
     assert region_digest(cache, blocks) == good
     cache.rows(1)[3, 128:] = 0  # half written
     assert region_digest(cache, blocks) != good
+
+
+def test_runs_of_neighbours_are_sliced_and_scattered_blocks_gathered_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transfer.checksum as checksum
+
+    cache = cache_of(64, 128)
+    blocks = [*range(10, 20), *range(40, 44), 3]  # three runs: sliced
+    sliced = region_digest(cache, blocks, (32, 64))
+    monkeypatch.setattr(checksum, "_MAX_RUNS", 0)  # every load gathered
+    assert region_digest(cache, blocks, (32, 64)) == sliced
+    assert sliced == reference(rows_of(cache, blocks, (32, 64)))
 
 
 def test_a_load_of_many_blocks_is_digested_in_chunks_alike(monkeypatch: pytest.MonkeyPatch) -> None:

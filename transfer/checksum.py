@@ -14,22 +14,25 @@ over transferred KV): it catches what a transfer gets wrong, not a forger.
   need both sides to list the same bytes in the same order, nothing else
   (their block ids, block sizes and devices may differ).
 * A row's bytes, as little-endian int32 words (bytes where ``length`` is not
-  a multiple of 4), fold into ``lanes`` sums, word i into lane i mod lanes
-  (lanes: 16, or what divides the word count); exact in int64.
-* Each lane sum is multiplied by its own odd pseudo-random weight (splitmix64
+  a multiple of 4), are cut into ``parts`` equal runs (16, or what divides
+  the word count) and each run summed modulo 2**32.
+* Each run's sum is multiplied by its own odd pseudo-random weight (splitmix64
   of its index over all rows) and the products summed modulo 2**64, twice
   with independent weights: 16 bytes.
 
 What that guarantees: any change to one word changes both sums (an odd
-weight times a nonzero difference below 2**33 is never 0 modulo 2**64); a
-block written into the wrong place, swapped, stale or half written changes
-them except with probability about 2**-64 per sum. Cost: one gather of the
-rows on the device, one pass over them, then one weighting of all the lane
-sums (a sixteenth of the words at most).
+weight times a nonzero difference below 2**32 is never 0 modulo 2**64); a
+block written into the wrong place, swapped, stale or half written, or a
+part of a row moved to another part (a tensor parallel head written at
+another head's offset), changes them except with probability about 2**-64
+per sum. Cost: on a host, one pass over the rows where a load's blocks are a
+few runs of neighbours, else one gather of them first; then one weighting of
+the run sums (a sixteenth of a row each).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final
 
@@ -40,8 +43,9 @@ from .cache import KVCache
 __all__ = ["DIGEST_BYTES", "region_digest"]
 
 DIGEST_BYTES: Final = 16
-_LANES: Final = 16
+_PARTS: Final = 16
 _CHUNK_BYTES: Final = 32 << 20  # rows gathered at once on the device
+_MAX_RUNS: Final = 8  # at most this many runs of neighbour blocks: sliced, not gathered
 _SEEDS: Final = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # one per 8-byte half
 
 
@@ -70,6 +74,22 @@ def weights(first: int, count: int, seed: int, device: torch.device) -> torch.Te
     return (z ^ _shr(z, 31)) | 1
 
 
+@functools.lru_cache(maxsize=32)
+def _weights(count: int, seed: int, device: torch.device) -> torch.Tensor:
+    return weights(0, count, seed, device)  # loads of one size reuse theirs
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """``blocks`` as runs [lo, hi) of neighbours, in order."""
+    out: list[tuple[int, int]] = []
+    for b in blocks:
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], b + 1)
+        else:
+            out.append((b, b + 1))
+    return out
+
+
 def region_digest(
     cache: KVCache, blocks: Sequence[int], part: tuple[int, int] | None = None
 ) -> bytes:
@@ -87,23 +107,29 @@ def region_digest(
             raise ValueError(f"blocks[{i}] = {blk!r} out of range [0, {lay.num_blocks})")
     word = 4 if length % 4 == 0 else 1
     words = length // word
-    lanes = next(n for n in (_LANES, 8, 4, 2, 1) if words % n == 0)
+    parts = next(n for n in (_PARTS, 8, 4, 2, 1) if words % n == 0)
     dev = cache.device
-    step = max(1, _CHUNK_BYTES // length)
-    chunks = [
-        torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=dev)
-        for lo in range(0, len(blocks), step)
-    ]
-    # Every row's lane sums, buffer by buffer, blocks in order: then one
-    # weighting for all of them (a few large ops beat many small ones).
-    sums = [torch.zeros(0, dtype=torch.int64, device=dev)]
+    runs = _runs(blocks)
+    if len(runs) > _MAX_RUNS:  # scattered: gather a bounded chunk at a time
+        step = max(1, _CHUNK_BYTES // length)
+        ids = [
+            torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=dev)
+            for lo in range(0, len(blocks), step)
+        ]
+    sums = [torch.zeros(0, dtype=torch.int32, device=dev)]
     for buf in range(lay.num_buffers):
         view = cache.rows(buf)[:, offset : offset + length]
-        for ids in chunks:
-            got = view.index_select(0, ids)  # contiguous (rows, length), on the device
-            data = got.view(torch.int32) if word == 4 else got
-            lane = data.view(len(ids), words // lanes, lanes).sum(dim=1, dtype=torch.int64)
-            sums.append(lane.flatten())
-    flat = torch.cat(sums)
-    acc = torch.stack([(flat * weights(0, flat.numel(), seed, dev)).sum() for seed in _SEEDS])
+        pieces = (
+            [view[lo:hi] for lo, hi in runs]
+            if len(runs) <= _MAX_RUNS
+            else [view.index_select(0, i) for i in ids]
+        )
+        for rows in pieces:
+            if word == 4 and (rows.storage_offset() % 4 or rows.stride(0) % 4):
+                rows = rows.clone()  # a slice not on a word boundary: copied
+            data = rows.view(torch.int32) if word == 4 else rows
+            total = data.reshape(len(rows), parts, words // parts).sum(dim=2, dtype=torch.int32)
+            sums.append(total.flatten())
+    flat = torch.cat(sums).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
+    acc = torch.stack([(flat * _weights(flat.numel(), seed, dev)).sum() for seed in _SEEDS])
     return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync

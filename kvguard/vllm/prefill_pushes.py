@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from typing import Final
@@ -107,9 +108,11 @@ class PrefillSender:
         self._holding = 0  # (L)
         self._peers = 0  # (L)
         self._cache = cache
-        # Sender thread only: the digest of each verified load's source bytes,
-        # made when it is submitted, until its Result goes out.
-        self._digests: dict[tuple[str, str], bytes] = {}
+        # The digest of each verified load's source bytes, made on a thread of
+        # its own while the engine moves them; the sender thread keeps each
+        # until its Result goes out (and waits for it then, if it must).
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvguard-digest")
+        self._digests: dict[tuple[str, str], Future[bytes]] = {}  # sender thread only
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
@@ -181,6 +184,7 @@ class PrefillSender:
         """Stop answering decodes and end kvguard's requests (SHUTDOWN)."""
         self._stop.set()
         self._thread.join(timeout)
+        self._digester.shutdown(wait=True, cancel_futures=True)
         self._sched.close(timeout=timeout)
         self._sock.close()
         if self._guard is not None:
@@ -234,9 +238,9 @@ class PrefillSender:
         for act in later:
             if isinstance(act, Reply):
                 res = act.result
-                digest = self._digests.pop((res.request_id, res.load_id), b"")
-                if res.ok and digest:
-                    res = msgspec.structs.replace(res, digest=digest)
+                made = self._digests.pop((res.request_id, res.load_id), None)
+                if res.ok and made is not None:
+                    res = msgspec.structs.replace(res, digest=made.result())
                 try:
                     self._sock.send_multipart([act.ident, encode(res)], flags=zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # the decode is gone or not reading
@@ -291,9 +295,8 @@ class PrefillSender:
             detail = truncate(repr(exc))
             return self._core.submit_failed(act.request_id, act.load_id, detail, time.monotonic())
         if act.verify:  # the source is held, unchanged: digest it while the engine moves it
-            self._digests[act.request_id, act.load_id] = source_digest(
-                self._cache, act.src, act.part
-            )
+            made = self._digester.submit(source_digest, self._cache, act.src, act.part)
+            self._digests[act.request_id, act.load_id] = made
         return []
 
     def _on_release(self, rid: str, load_id: str, _transfer: str, fin: Finished) -> None:
