@@ -9,11 +9,16 @@ that cannot be used are refused naming the path.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+from mooncake_helpers import requires_mooncake
 from structlog.testing import capture_logs
 
 from kvguard.cli import main
@@ -134,3 +139,56 @@ def test_no_keys_beyond_loopback_is_warned_once_naming_the_channel(host: str, wa
         }
     ]
     assert logs == (expected if warned else [])
+
+
+@requires_mooncake
+@pytest.mark.mooncake
+def test_kvguard_run_drives_a_keyed_decode_service_and_a_keyless_run_is_refused(
+    keys: Path,
+) -> None:
+    """The CLI end to end: ``kvguard decode --curve-secret --curve-allowed``
+    serves ``kvguard run --decode --curve-secret --curve-server`` (every
+    request verified); a run with another key, or none, gets no answer and
+    fails typed within its connect deadline."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvguard.cli",
+            "decode",
+            "--listen=127.0.0.1:0",
+            "--layers=2",
+            "--blocks=64",
+            "--block-bytes=4096",
+            f"--curve-secret={keys / 'server.key_secret'}",
+            f"--curve-allowed={keys / 'allowed'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "MC_FORCE_TCP": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"listening on tcp://(\S+) for engine session", line)
+        assert match is not None, line
+        address = match.group(1)
+        small = ["--layers", "2", "--blocks", "64", "--block-bytes", "4096", "--no-progress"]
+        keyed = [
+            "--curve-secret",
+            str(keys / "ok.key_secret"),
+            "--curve-server",
+            str(keys / "server.key"),
+        ]
+        base = ["run", "--decode", address, "--requests", "20", "--blocks-per-request", "4"]
+        assert main([*base, *small, *keyed]) == 0
+        stranger = ["--curve-secret", str(keys / "other.key_secret")]
+        assert main([*base, *small, *stranger, "--curve-server", str(keys / "server.key")]) == 2
+        assert main([*base, *small]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

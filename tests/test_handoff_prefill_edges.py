@@ -329,25 +329,3 @@ def test_an_abort_in_flight_asks_kvguard_and_a_released_peer_stays_known() -> No
     assert core.malformed(D, ("r", "z"), "x") == [
         Reply(D, Result("r", "z", False, LoadEnd.BAD_REQUEST.value, "x"))
     ]
-
-
-def test_an_abort_from_another_decode_than_the_pushers_changes_nothing() -> None:
-    """Ids are no credential: another decode (another ROUTER identity) cannot
-    give up a load whose push waits or runs; the pusher still can. A load
-    already answered is answered again to whoever asks, changing nothing."""
-    other = b"decode-2"
-    core = PrefillCore(block_bytes=LAYOUT.block_bytes)
-    core.receive(D, push(), 100.0, 100.0)  # EARLY: its hold has not come
-    assert core.receive(other, Abort("r", "d"), 100.5, 100.5) == []
-    assert core.hold("r", [1], 130.0, now=101.0) == [submit("r", "d", 0, [1], [5], deadline_s=9.0)]
-    assert core.receive(other, Abort("r", "d"), 101.5, 101.5) == []  # IN_FLIGHT
-    assert core.receive(D, Abort("r", "d"), 101.5, 101.5) == [AbortTransfer("kvguard-push-0")]
-    assert core.released("r", "d", LoadEnd.ABORTED, "", 102.0) == [
-        answer("r", "d", LoadEnd.ABORTED),
-        Release("r"),
-    ]
-    # Released: nothing of it is left to touch; the asker hears so.
-    assert core.receive(other, Abort("r", "d"), 103.0, 103.0) == [
-        Reply(other, Result("r", "d", False, LoadEnd.ABORTED.value, "no transfer started"))
-    ]
-    assert core.drained()

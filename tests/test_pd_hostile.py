@@ -8,8 +8,10 @@ After each example the sender's thread lives, logged no loop error, never
 touched the request it holds for the real decode, and answered only with
 well-formed failed ``Result``s; at the end the real decode's load still
 lands byte for byte. Then the cases hypothesis would rarely build: a
-replayed push of a load that ended, another decode's abort of a load in
-flight, a frame over the size limit.
+replayed push of a load that ended, a frame over the size limit. What a
+peer that knows a request's ids can do without keys (give up its hold, or
+its load in flight: ZeroMQ's routing ids are no credential, a reconnect
+hands them over) is what CURVE keys stop (tests/test_pd_auth.py).
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ from kvguard.vllm.protocol import (
 )
 from kvguard.vllm.states import LoadEnd
 from tests.pd_pair import Pair
-from transfer import FaultInjectingBackend, FaultKind, FaultPlan
-from transfer.backend import TransferBackend
 
 VICTIM = f"victim-{uuid.uuid4().hex}"  # held for the real decode: no frame may touch it
 VICTIM_BLOCKS = [1, 2, 3]
@@ -194,30 +194,6 @@ def test_a_replayed_push_of_an_ended_load_starts_nothing() -> None:
             LoadEnd.UNKNOWN_REQUEST.value,
         )
         assert pair.sender.stats.pushed == pushed
-    finally:
-        attacker.close()
-        pair.close()
-
-
-def test_another_decodes_abort_of_a_load_in_flight_is_ignored() -> None:
-    hanging: dict[str, FaultInjectingBackend] = {}
-
-    def hang(backend: TransferBackend) -> TransferBackend:
-        hanging["b"] = FaultInjectingBackend(backend, FaultPlan.script([FaultKind.HANG]))
-        return hanging["b"]
-
-    pair = Pair(wrap=hang)
-    attacker = Attacker(pair.sender.endpoint)
-    try:
-        pair.sender.hold("r1", [1], time.monotonic() + 30)
-        pair.receiver.expect("d1", pair.sender.endpoint, "r1", [2], time.monotonic() + 30)
-        pair.until(lambda: pair.sender.stats.pushed == 1)
-        attacker.send([encode(Abort("r1", "d1"))])
-        assert attacker.replies(0.3) == []  # not answered: not the attacker's load
-        hanging["b"].release_hangs()
-        pair.until(lambda: "d1" in pair.outcomes and "r1" in pair.released)
-        assert pair.outcomes["d1"].end is LoadEnd.LOADED
-        assert pair.sender.stats.aborted == 0
     finally:
         attacker.close()
         pair.close()

@@ -16,8 +16,7 @@ simulated clock. It promises, and the simulation checks after every event:
   ever submitted for it;
 * a load given up before its push started is remembered, so a push read
   later (a frozen prefill reads its socket on thaw) is refused, never served;
-  a second push of a known load starts nothing, and an Abort from another
-  decode than the one whose push waits or runs (ids are no credential) is ignored.
+  a second push of a known load starts nothing.
 
 States: ``states.HOLD`` and ``states.PUSH``; timers: one lazy heap.
 """
@@ -341,10 +340,6 @@ class PrefillCore:
             return
         early = self._early.get(rid, load_id)
         rec = None if hold is None else hold.pushes.get(load_id)
-        live = early or (rec if rec and rec.state is PushState.IN_FLIGHT else None)
-        if live is not None and live.ident != ident:  # ids are no credential
-            _log.warning("abort_from_another_decode", request=rid, load=load_id)
-            return
         self._aborted[(rid, load_id)] = None
         if hold is not None:  # the size its push would have told (this may settle the group)
             hold.group = max(hold.group, msg.group)
