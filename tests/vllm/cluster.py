@@ -49,6 +49,7 @@ __all__ = [
     "first_done",
     "fresh",
     "idle_after",
+    "load_seconds",
     "references",
     "sampling",
     "settle",
@@ -247,6 +248,22 @@ def transfers(server: Server) -> Counter[tuple[str, str]]:
             labels = dict(_LABEL.findall(key))
             out[labels["outcome"], labels["reason"]] += int(value)
     return +out
+
+
+def load_seconds(server: Server, outcome: str) -> tuple[int, float]:
+    """(count, sum) of ``vllm:kvguard_transfer_seconds`` for the decode's loads
+    that ended ``outcome``: kvguard's own time from asking to the outcome."""
+    count, total = 0, 0.0
+    for key, value in server.metrics().items():
+        name, _, rest = key.partition("{")
+        labels = dict(_LABEL.findall(rest))
+        if labels.get("role") != "decode" or labels.get("outcome") != outcome:
+            continue
+        if name == "vllm:kvguard_transfer_seconds_count":
+            count += int(value)
+        elif name == "vllm:kvguard_transfer_seconds_sum":
+            total += value
+    return count, total
 
 
 def spread(seconds: Sequence[float]) -> str:
