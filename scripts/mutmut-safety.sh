@@ -28,6 +28,7 @@ source_paths = [
     "kvguard/proxy/backends.py",
 ]
 timeout_multiplier = 4.0
+pytest_add_cli_args = ["-m", "not mooncake", "-p", "no:cacheprovider"]
 also_copy = ["docs/", "lifecycle/", "scheduler/", "transfer/", "kvguard/", "benchmarks/"]
 pytest_add_cli_args_test_selection = [
     "tests/test_checksum.py",
