@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from structlog.testing import capture_logs
 
 import kvguard.vllm.prefill_pushes as prefill_pushes
 from kvguard.vllm.integrity import Verifier
@@ -152,3 +153,31 @@ def test_the_verifier_names_blocks_it_cannot_digest() -> None:
     got = v.checked(Result("r", "a", True, digest=bytes(DIGEST_BYTES)))
     assert (got.ok, got.reason) == (False, "integrity")
     assert got.detail == "cannot digest the blocks here: blocks[0] = 99 out of range [0, 16)"
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_a_digest_the_prefill_cannot_make_is_empty_and_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode then fails the load ("the prefill sent no digest"): never a
+    crash of the sender's thread, never a digest of other bytes."""
+    import kvguard.vllm.integrity as integrity
+    from transfer.plan import BlockSlice
+
+    def broken(cache: KVCache, blocks: list[int], part: tuple[int, int] | None) -> bytes:
+        raise ValueError(f"blocks {blocks} part {part}")
+
+    monkeypatch.setattr(integrity, "region_digest", broken)
+    with capture_logs() as logs:
+        got = integrity.source_digest(_cache(), [3, 4], BlockSlice(64, 0, 128))
+    assert got == b""
+    assert logs == [
+        {
+            "event": "digest_failed",
+            "blocks": 2,
+            "part": (64, 128),
+            "error": "blocks [3, 4] part (64, 128)",
+            "log_level": "error",
+        }
+    ]
+    assert integrity.source_digest(_cache(), [3], None) == b""

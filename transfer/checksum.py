@@ -32,7 +32,6 @@ the run sums (a sixteenth of a row each).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Final
 
@@ -49,15 +48,11 @@ _MAX_RUNS: Final = 8  # at most this many runs of neighbour blocks: sliced, not 
 _SEEDS: Final = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # one per 8-byte half
 
 
-def _i64(value: int) -> int:
-    """``value`` modulo 2**64 as a signed int64 (torch has no uint64 arithmetic)."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN: Final = _i64(0x9E3779B97F4A7C15)
-_M1: Final = _i64(0xBF58476D1CE4E5B9)
-_M2: Final = _i64(0x94D049BB133111EB)
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic):
+# 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 and 0x94D049BB133111EB, minus 2**64.
+_GOLDEN: Final = -7046029254386353131
+_M1: Final = -4658895280553007687
+_M2: Final = -7723592293110705685
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -68,15 +63,10 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 def weights(first: int, count: int, seed: int, device: torch.device) -> torch.Tensor:
     """Odd splitmix64 outputs for indices ``[first, first + count)`` under ``seed``."""
     z = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    z = z * _GOLDEN + _i64(seed)
+    z = z * _GOLDEN + seed  # seeds are below 2**63
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     return (z ^ _shr(z, 31)) | 1
-
-
-@functools.lru_cache(maxsize=32)
-def _weights(count: int, seed: int, device: torch.device) -> torch.Tensor:
-    return weights(0, count, seed, device)  # loads of one size reuse theirs
 
 
 def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
@@ -131,5 +121,5 @@ def region_digest(
             total = data.reshape(len(rows), parts, words // parts).sum(dim=2, dtype=torch.int32)
             sums.append(total.flatten())
     flat = torch.cat(sums).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
-    acc = torch.stack([(flat * _weights(flat.numel(), seed, dev)).sum() for seed in _SEEDS])
+    acc = torch.stack([(flat * weights(0, flat.numel(), seed, dev)).sum() for seed in _SEEDS])
     return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync
