@@ -22,7 +22,7 @@ from mooncake_helpers import requires_mooncake
 from structlog.testing import capture_logs
 
 from kvguard.cli import main
-from kvguard.curve import ClientKeys, ServerKeys, keygen, warn_unauthenticated
+from kvguard.curve import ClientKeys, Guard, ServerKeys, keygen, warn_unauthenticated
 from kvguard.decode.control import ControlClient, ControlServer, ServiceTimeout
 
 
@@ -195,3 +195,55 @@ def test_kvguard_run_drives_a_keyed_decode_service_and_a_keyless_run_is_refused(
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("name", ["", "a/b", ".hidden", "../x"])
+def test_keygen_refuses_names_that_are_not_plain_file_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError) as info:
+        keygen(tmp_path, name)
+    assert str(info.value) == f"a key name is a plain file name, got {name!r}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_keygen_makes_missing_directories(tmp_path: Path) -> None:
+    public, secret = keygen(tmp_path / "a" / "b", "k")
+    assert (public.name, secret.name) == ("k.key", "k.key_secret")
+    assert public.parent == tmp_path / "a" / "b"
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_an_empty_allowed_directory_is_warned_and_lets_no_client_in(keys: Path) -> None:
+    empty = keys / "none"
+    empty.mkdir()
+    with capture_logs() as logs:
+        server = ServerKeys.load(keys / "server.key_secret", empty)
+    assert server.allowed == frozenset()
+    assert logs == [
+        {"event": "curve_no_client_allowed", "directory": str(empty), "log_level": "warning"}
+    ]
+    with capture_logs() as logs:
+        ServerKeys.load(keys / "server.key_secret", keys / "allowed")
+    assert logs == []
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_the_guard_counts_and_logs_each_denial_once(keys: Path) -> None:
+    import zmq
+
+    server = ServerKeys.load(keys / "server.key_secret", keys / "allowed")
+    ok = ClientKeys.load(keys / "ok.key_secret", keys / "server.key")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    guard = Guard(ctx, server)
+    try:
+        with capture_logs() as logs:
+            assert guard.callback("*", ok.public) is True
+            assert guard.callback("*", b"stranger-key") is False
+            assert guard.callback("dom", b"\xffbad") is False
+        assert guard.denied == 2
+        assert logs == [
+            {"event": "curve_denied", "key": "stranger-key", "domain": "*", "log_level": "warning"},
+            {"event": "curve_denied", "key": "\ufffdbad", "domain": "dom", "log_level": "warning"},
+        ]
+    finally:
+        guard.close()
+        ctx.term()

@@ -181,3 +181,32 @@ def test_a_digest_the_prefill_cannot_make_is_empty_and_logged(
         }
     ]
     assert integrity.source_digest(_cache(), [3], None) == b""
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_a_mismatch_is_logged_once_naming_the_load_and_why() -> None:
+    cache = _cache()
+    v = Verifier(cache)
+    v.expect("a", [1], None)
+    v.expect("b", [99], None)
+    with capture_logs() as logs:
+        v.checked(Result("r", "a", True))
+        got = v.checked(Result("r", "b", True, digest=bytes(DIGEST_BYTES)))
+    assert got.digest == bytes(DIGEST_BYTES)  # the prefill's, kept for the record
+    assert logs == [
+        {
+            "event": "kv_integrity_mismatch",
+            "request": "a",
+            "detail": "the prefill sent no digest",
+            "log_level": "warning",
+        },
+        {
+            "event": "kv_integrity_mismatch",
+            "request": "b",
+            "detail": "cannot digest the blocks here: blocks[0] = 99 out of range [0, 16)",
+            "log_level": "warning",
+        },
+    ]
+    v.done("a")
+    v.done("never")  # an id it does not cover: nothing
+    assert v.pending() == 1
