@@ -53,6 +53,19 @@ def _public(path: str | Path) -> bytes:
     return public
 
 
+def _both(who: str, names: tuple[str, str], paths: tuple[object, object]) -> bool:
+    """Whether ``who`` has keys: both paths (True) or neither (False);
+    ValueError names both settings when only one is given."""
+    if not any(paths):
+        return False
+    if not all(paths):
+        raise ValueError(
+            f"{who}'s CURVE keys need both {names[0]} and {names[1]}, "
+            f"got {paths[0]!r} and {paths[1]!r}"
+        )
+    return True
+
+
 @dataclass(frozen=True)
 class ServerKeys:
     """A server's pair and the public keys (z85) of the clients it allows."""
@@ -73,6 +86,16 @@ class ServerKeys:
             _log.warning("curve_no_client_allowed", directory=str(folder))
         return cls(public, secret, allowed)
 
+    @classmethod
+    def configured(
+        cls, who: str, names: tuple[str, str], secret: str | None, allowed: str | None
+    ) -> ServerKeys | None:
+        """``load`` where both settings ``names`` are given, None where neither is."""
+        if not _both(who, names, (secret, allowed)):
+            return None
+        assert secret and allowed
+        return cls.load(secret, allowed)
+
 
 @dataclass(frozen=True)
 class ClientKeys:
@@ -86,6 +109,16 @@ class ClientKeys:
     def load(cls, secret_file: str | Path, server_file: str | Path) -> ClientKeys:
         public, secret = _pair(secret_file)
         return cls(public, secret, _public(server_file))
+
+    @classmethod
+    def configured(
+        cls, who: str, names: tuple[str, str], secret: str | None, server: str | None
+    ) -> ClientKeys | None:
+        """``load`` where both settings ``names`` are given, None where neither is."""
+        if not _both(who, names, (secret, server)):
+            return None
+        assert secret and server
+        return cls.load(secret, server)
 
 
 def secure_client(sock: zmq.Socket[bytes], keys: ClientKeys) -> None:

@@ -11,19 +11,9 @@
 # mutant (60 unless set) -- and runs mutmut there. A mutant only has to be
 # detected: no shrinking.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-work="${WORK:-/tmp/kvguard-mutmut-handoff}"
-rm -rf "$work"
-mkdir -p "$work"
-tar -C "$root" --exclude=./.venv --exclude=./.venv-vllm --exclude=./mutants --exclude=./.git \
-    -cf - . | tar -C "$work" -xf -
-"$root/.venv/bin/python" - "$work/pyproject.toml" <<'PY'
-import re
-import sys
-
-path = sys.argv[1]
-text = open(path).read()
-block = """[tool.mutmut]
+export WORK="${WORK:-/tmp/kvguard-mutmut-handoff}"
+export KVGUARD_SIM_EXAMPLES="${KVGUARD_SIM_EXAMPLES:-60}"
+export MUTMUT_BLOCK='[tool.mutmut]
 source_paths = [
     "kvguard/vllm/prefill_core.py",
     "kvguard/vllm/prefill_records.py",
@@ -44,10 +34,5 @@ pytest_add_cli_args_test_selection = [
     "tests/test_handoff_sim.py::test_random_worlds_keep_every_invariant",
     "tests/test_pd_protocol.py",
 ]
-"""
-text = re.sub(r"\[tool\.mutmut\]\n(?:(?!\n\[).)*", block.rstrip(), text, count=1, flags=re.S)
-open(path, "w").write(text)
-PY
-cd "$work"
-export HYPOTHESIS_PROFILE=mutmut KVGUARD_SIM_EXAMPLES="${KVGUARD_SIM_EXAMPLES:-60}"
-exec "$root/.venv/bin/mutmut" run "$@"
+'
+exec bash "$(dirname "$0")/mutmut-subset.sh" "$@"

@@ -8,19 +8,8 @@
 # /tmp/kvguard-mutmut-safety) whose [tool.mutmut] points at these modules
 # and their tests.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-work="${WORK:-/tmp/kvguard-mutmut-safety}"
-rm -rf "$work"
-mkdir -p "$work"
-tar -C "$root" --exclude=./.venv --exclude=./.venv-vllm --exclude=./mutants --exclude=./.git \
-    -cf - . | tar -C "$work" -xf -
-"$root/.venv/bin/python" - "$work/pyproject.toml" <<'PY'
-import re
-import sys
-
-path = sys.argv[1]
-text = open(path).read()
-block = """[tool.mutmut]
+export WORK="${WORK:-/tmp/kvguard-mutmut-safety}"
+export MUTMUT_BLOCK='[tool.mutmut]
 source_paths = [
     "transfer/checksum.py",
     "kvguard/vllm/integrity.py",
@@ -37,10 +26,5 @@ pytest_add_cli_args_test_selection = [
     "tests/test_pd_auth.py",
     "tests/test_proxy.py",
 ]
-"""
-text = re.sub(r"\[tool\.mutmut\]\n(?:(?!\n\[).)*", block.rstrip(), text, count=1, flags=re.S)
-open(path, "w").write(text)
-PY
-cd "$work"
-export HYPOTHESIS_PROFILE=mutmut
-exec "$root/.venv/bin/mutmut" run "$@"
+'
+exec bash "$(dirname "$0")/mutmut-subset.sh" "$@"

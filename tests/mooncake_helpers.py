@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -142,3 +143,37 @@ def http_metadata_server(timeout: float = 20.0) -> Iterator[str]:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# A decode service's cache: small enough for a test, the flags of `kvguard decode`.
+SMALL = {"layers": 2, "blocks": 64, "block_bytes": 4096}
+
+
+def decode_service(*extra: str) -> tuple[subprocess.Popen[str], str]:
+    """A ``kvguard decode --listen=127.0.0.1:0`` child of ``SMALL``'s layout
+    (plus ``extra`` flags) and the address it listens on, once it does."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvguard.cli",
+            "decode",
+            "--listen=127.0.0.1:0",
+            f"--layers={SMALL['layers']}",
+            f"--blocks={SMALL['blocks']}",
+            f"--block-bytes={SMALL['block_bytes']}",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "MC_FORCE_TCP": "1"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # printed once it listens
+    match = re.search(r"listening on tcp://(\S+) for engine session", line)
+    if match is None:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"kvguard decode did not start: {line!r}")
+    return proc, match.group(1)

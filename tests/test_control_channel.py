@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from mooncake_helpers import free_port, requires_mooncake
+from mooncake_helpers import SMALL, decode_service, free_port, requires_mooncake
 from structlog.testing import capture_logs
 from zmq.utils.monitor import recv_monitor_message
 
@@ -491,43 +490,13 @@ def test_a_reply_to_a_client_that_gave_up_is_dropped_and_said(all_levels: None) 
 
 # -- kvguard decode --listen / kvguard run --decode ----------------------------------------
 
-SMALL = {"layers": 2, "blocks": 64, "block_bytes": 4096}
-
-
-def _decode_service(*extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvguard.cli",
-            "decode",
-            "--listen=127.0.0.1:0",
-            f"--layers={SMALL['layers']}",
-            f"--blocks={SMALL['blocks']}",
-            f"--block-bytes={SMALL['block_bytes']}",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "MC_FORCE_TCP": "1"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # printed once it listens
-    match = re.search(r"listening on tcp://(\S+) for engine session", line)
-    if match is None:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"kvguard decode did not start: {line!r}")
-    return proc, match.group(1)
-
 
 @requires_mooncake
 @pytest.mark.mooncake
 def test_kvguard_run_drives_a_decode_service_over_tcp_and_it_stops_cleanly() -> None:
     from kvguard.run import RunConfig, run
 
-    proc, address = _decode_service()
+    proc, address = decode_service()
     try:
         cfg = RunConfig(requests=30, blocks_per_request=4, progress=False, decode=address, **SMALL)  # type: ignore[arg-type]
         for _ in range(2):  # the service outlives a run, and serves the next one

@@ -9,16 +9,13 @@ that cannot be used are refused naming the path.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import stat
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
-from mooncake_helpers import requires_mooncake
+from mooncake_helpers import SMALL, decode_service, requires_mooncake
 from structlog.testing import capture_logs
 
 from kvguard.cli import main
@@ -153,31 +150,11 @@ def test_kvguard_run_drives_a_keyed_decode_service_and_a_keyless_run_is_refused(
     serves ``kvguard run --decode --curve-secret --curve-server`` (every
     request verified); a run with another key, or none, gets no answer and
     fails typed within its connect deadline."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvguard.cli",
-            "decode",
-            "--listen=127.0.0.1:0",
-            "--layers=2",
-            "--blocks=64",
-            "--block-bytes=4096",
-            f"--curve-secret={keys / 'server.key_secret'}",
-            f"--curve-allowed={keys / 'allowed'}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "MC_FORCE_TCP": "1"},
+    proc, address = decode_service(
+        f"--curve-secret={keys / 'server.key_secret'}", f"--curve-allowed={keys / 'allowed'}"
     )
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on tcp://(\S+) for engine session", line)
-        assert match is not None, line
-        address = match.group(1)
-        small = ["--layers", "2", "--blocks", "64", "--block-bytes", "4096", "--no-progress"]
+        small = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()] + ["--no-progress"]
         keyed = [
             "--curve-secret",
             str(keys / "ok.key_secret"),

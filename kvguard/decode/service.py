@@ -145,10 +145,9 @@ def _server_keys(args: argparse.Namespace) -> ServerKeys | None:
     """The control channel's CURVE keys (both flags), or None: unauthenticated,
     which ``warn_unauthenticated`` says beyond loopback."""
     secret, allowed = getattr(args, "curve_secret", None), getattr(args, "curve_allowed", None)
-    if secret or allowed:
-        if not (secret and allowed):
-            raise ValueError("--curve-secret and --curve-allowed go together")
-        return ServerKeys.load(secret, allowed)
+    names = ("--curve-secret", "--curve-allowed")
+    if (keys := ServerKeys.configured("the decode service", names, secret, allowed)) is not None:
+        return keys
     endpoint = endpoint_of(args.listen)
     if endpoint.startswith("tcp://"):
         warn_unauthenticated("decode service control", tcp_address(endpoint)[0])

@@ -105,11 +105,8 @@ def _route_ip(endpoint: str) -> str:
 
 def _connect(cfg: RunConfig, layout: KVLayout, timeout_s: float) -> MooncakeDecode:
     address = str(cfg.decode)
-    keys = None
-    if cfg.curve_secret or cfg.curve_server:
-        if not (cfg.curve_secret and cfg.curve_server):
-            raise ValueError("--curve-secret and --curve-server go together")
-        keys = ClientKeys.load(cfg.curve_secret, cfg.curve_server)
+    names = ("--curve-secret", "--curve-server")
+    keys = ClientKeys.configured("kvguard run", names, cfg.curve_secret, cfg.curve_server)
     client = DecodeClient(address, timeout_s=timeout_s, curve=keys)
     try:
         peer = client.peer(timeout=_CONNECT_TIMEOUT_S)

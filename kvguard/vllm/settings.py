@@ -97,25 +97,13 @@ class Settings:
     def server_keys(self) -> ServerKeys | None:
         """Prefill: its CURVE keys, or None without any; ValueError names a
         missing half or a file that cannot be read."""
-        if not (self.curve_secret or self.curve_allowed):
-            return None
-        if not (self.curve_secret and self.curve_allowed):
-            raise ValueError(
-                "a prefill's CURVE keys need both kvguard_curve_secret and kvguard_curve_allowed, "
-                f"got {self.curve_secret!r} and {self.curve_allowed!r}"
-            )
-        return ServerKeys.load(self.curve_secret, self.curve_allowed)
+        names = ("kvguard_curve_secret", "kvguard_curve_allowed")
+        return ServerKeys.configured("a prefill", names, self.curve_secret, self.curve_allowed)
 
     def client_keys(self) -> ClientKeys | None:
         """Decode: its CURVE keys, or None without any; ValueError as ``server_keys``."""
-        if not (self.curve_secret or self.curve_server):
-            return None
-        if not (self.curve_secret and self.curve_server):
-            raise ValueError(
-                "a decode's CURVE keys need both kvguard_curve_secret and kvguard_curve_server, "
-                f"got {self.curve_secret!r} and {self.curve_server!r}"
-            )
-        return ClientKeys.load(self.curve_secret, self.curve_server)
+        names = ("kvguard_curve_secret", "kvguard_curve_server")
+        return ClientKeys.configured("a decode", names, self.curve_secret, self.curve_server)
 
     @property
     def endpoint(self) -> str:
