@@ -12,6 +12,8 @@ catches it. Tensor parallel legs digest only their slice of each block.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,6 +82,48 @@ def test_a_prefill_that_sends_no_digest_fails_the_load(
         "the prefill sent no digest",
         False,
     )
+
+
+def test_a_hold_is_released_only_once_its_digest_read_the_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The digest reads the held source on its own thread, maybe after the
+    transfer ended: vLLM must not hear the blocks are free (and write them)
+    before it finished. The digest here starts only after the sender turned
+    the transfer's end into a release, then looks for that release for 40 of
+    the sender's turns (it is published in the next one when nothing waits)."""
+    seen: list[bool] = []
+    ended = threading.Event()
+    real_digest = prefill_pushes.source_digest
+
+    def late_digest(*args: object) -> bytes:
+        assert ended.wait(10), "the transfer never ended"
+        released = False
+        until = time.monotonic() + 0.2
+        while not released and time.monotonic() < until:
+            with pair.sender._lock:
+                released = "r1" in pair.sender._released
+            time.sleep(0.001)
+        seen.append(released)
+        return real_digest(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill_pushes, "source_digest", late_digest)
+    real_released = prefill_pushes.PrefillCore.released
+
+    def released(core: prefill_pushes.PrefillCore, *args: object) -> object:
+        try:
+            return real_released(core, *args)  # type: ignore[arg-type]
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(prefill_pushes.PrefillCore, "released", released)
+    pair = Pair()
+    try:
+        out = pair.load("r1", [1, 2, 3], [9, 4, 11])
+        assert (out.end, out.detail) == (LoadEnd.LOADED, "")
+        assert seen == [False]  # not released while the digest read the blocks
+    finally:
+        pair.close()
 
 
 def test_a_tensor_parallel_leg_digests_only_its_heads() -> None:
@@ -165,7 +209,7 @@ def test_a_digest_the_prefill_cannot_make_is_empty_and_logged(
     from transfer.plan import BlockSlice
 
     def broken(cache: KVCache, blocks: list[int], part: tuple[int, int] | None) -> bytes:
-        raise ValueError(f"blocks {blocks} part {part}")
+        raise RuntimeError(f"blocks {blocks} part {part}")
 
     monkeypatch.setattr(integrity, "region_digest", broken)
     with capture_logs() as logs:

@@ -38,7 +38,7 @@ def source_digest(cache: KVCache, blocks: Sequence[int], part: BlockSlice | None
     cut = None if part is None else (part.src_offset, part.length)
     try:
         return region_digest(cache, blocks, cut)
-    except ValueError as exc:
+    except Exception as exc:  # any: a raise here would lose the load's Result
         _log.error("digest_failed", blocks=len(blocks), part=cut, error=str(exc))
         return b""
 

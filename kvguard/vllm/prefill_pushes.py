@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from functools import partial
 from typing import Final
@@ -228,6 +228,10 @@ class PrefillSender:
         wake = core.next_wake()
         if wake is not None and wake <= now:
             self._apply(core.step(now), later)
+        # A digest reads a held source: it ends before that hold's release is
+        # published (vLLM may write the blocks once it takes the id).
+        releasing = {a.request_id for a in later if isinstance(a, Release)}
+        wait([made for (rid, _), made in self._digests.items() if rid in releasing])
         # Stats first: whoever hears of a release or an answer finds it counted.
         denied = 0 if self._guard is None else self._guard.denied
         with self._lock:

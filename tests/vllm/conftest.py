@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,50 @@ collect_ignore_glob = [] if HAVE_VLLM else ["test_*.py"]
 
 def pytest_report_header() -> str | None:
     return None if HAVE_VLLM else "tests/vllm: not collected, no vLLM here (scripts/vllm-env.sh)"
+
+
+# What kvguard said while a test failed, printed last: a CI log keeps the
+# head and tail of a run's output, where a failure's own text (with the
+# servers' logs) may be cut out of the middle.
+_NOTABLE = re.compile(r"\[(?:warning|error|critical) *\]|prefill_link_closed|Traceback")
+_PER_LOG = 12  # lines kept per server log and failed test
+_OFFSETS = pytest.StashKey[dict[Path, int]]()
+_seen: list[str] = []
+
+
+def _log_sizes() -> dict[Path, int]:
+    return {p: p.stat().st_size for p in LOGS.glob("*.log")} if LOGS.is_dir() else {}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_OFFSETS] = _log_sizes()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and call.when != "teardown":
+        start = item.stash.get(_OFFSETS, {})
+        _seen.append(f"{item.nodeid} ({call.when}):")
+        for path, size in sorted(_log_sizes().items()):
+            with path.open("rb") as f:
+                at = start.get(path, 0)
+                f.seek(at if at <= size else 0)  # a smaller log was started anew
+                text = f.read().decode(errors="replace")
+            lines = [ln for ln in text.splitlines() if _NOTABLE.search(ln)]
+            if lines:
+                _seen.append(f"  {path.name}: {len(lines)} lines, the last {_PER_LOG}:")
+                _seen.extend(f"    {ln[:300]}" for ln in lines[-_PER_LOG:])
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _seen:
+        terminalreporter.section("kvguard and server warnings during failed tests")
+        for line in _seen:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

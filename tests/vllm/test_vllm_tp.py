@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import psutil
 import pytest
 
 from tests.vllm import servers as harness
@@ -232,8 +232,9 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
     fresh(s.p2, s.d2, s.d1)
     before = transfers(s.d2)
     before_failed = load_seconds(s.d2, "failed")
-    worker = rank_pid(s.p2, 1)
     port = int(clean_kv(s)["kv_connector_extra_config"]["kvguard_control_port"]) + 1  # type: ignore[index]
+    worker = listener_pid(s.p2, port)  # rank 1's
+    worker_state = ""  # its state when the requests ended
     closed = PortClosed(port)  # rank 1's
 
     async def go() -> tuple[list[tuple[Outcome, float]], float, float]:
@@ -246,7 +247,7 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
             (warm,) = prompts_of(1, seed=90 + sig)
             first = await pd(http, s.p2, s.d2, warm, MAX_TOKENS)
             assert first.kind == "ok", first
-            os.kill(worker, signal.SIGSTOP)
+            stop(worker)
             t_stop = time.monotonic()
             tasks = [
                 asyncio.create_task(timed(decode_step(http, d, q, MAX_TOKENS, kv)))
@@ -260,7 +261,10 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
                 t_fault = time.monotonic()
                 assert t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, t_fault - t_stop
                 assert not any(t.done() for t in tasks), "a load ended before the kill"
-            return list(await asyncio.gather(*tasks)), t_stop, t_fault
+            ended = list(await asyncio.gather(*tasks))
+            nonlocal worker_state
+            worker_state = state_of(worker)
+            return ended, t_stop, t_fault
 
     try:
         outs, t_stop, t_fault = run(go())
@@ -273,7 +277,12 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
         if sig == signal.SIGKILL:
             what += f"; its control port closed {closed.at() - t_fault:.2f}s after the kill"
         print(f"\n{what}")
-        assert [o.kind for o, _ in outs] == [FAILED] * len(outs), (outs, s.logs())
+        kinds = [o.kind for o, _ in outs]
+        moved = transfers(s.d2) - before
+        assert kinds == [FAILED] * len(outs), (
+            f"{what}: {kinds}; the worker was {worker_state} then; "
+            f"{s.d2.name}'s transfers: {dict(moved)}\n{s.logs()}"
+        )
         if sig == signal.SIGKILL:
             assert min(took) >= 0 and max(took) <= closed.at() - t_fault + KILL_S, what
             assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
@@ -346,11 +355,36 @@ def test_a_fault_on_one_prefill_rank_fails_every_request(servers: Servers) -> No
     check_serves(s.p1, s.d2)
 
 
-def rank_pid(server: Server, rank: int) -> int:
-    """The pid of ``server``'s worker of tensor parallel rank ``rank`` (from its log)."""
-    found = re.findall(rf"\(Worker_TP{rank} pid=(\d+)\)", server.log.read_text(errors="replace"))
-    assert found, f"no Worker_TP{rank} in {server.log}"
-    return int(found[-1])
+def listener_pid(server: Server, port: int) -> int:
+    """The pid of the process of ``server`` listening on ``port``: the rank
+    whose control endpoint it is (not a name read from a log)."""
+    assert server.proc is not None
+    root = psutil.Process(server.proc.pid)
+    found = {
+        p.pid
+        for p in [root, *root.children(recursive=True)]
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    }
+    assert len(found) == 1, f"{server.name}: listeners on port {port}: {found}"
+    return int(found.pop())
+
+
+def state_of(pid: int) -> str:
+    """The kernel's state of ``pid`` (psutil's name: "stopped", "running", ...)."""
+    try:
+        return str(psutil.Process(pid).status())
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and see the kernel mark it stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    until = time.monotonic() + 1.0
+    while state_of(pid) != psutil.STATUS_STOPPED:
+        assert time.monotonic() < until, f"pid {pid} not stopped: {state_of(pid)}"
+        time.sleep(0.01)
 
 
 def check_serves(prefill: Server, decode: Server) -> None:
