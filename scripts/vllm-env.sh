@@ -19,4 +19,7 @@ if ! "$PY" -c 'import vllm' 2>/dev/null; then
 fi
 # bench: the checkpoint generator's transformers and the benchmark's plot.
 "$PY" -m pip install -q -e '.[dev,bench]'
+# vLLM's own Rust router (its PD mode), for deployments of several servers:
+# docs/vllm.md "Behind vllm-router" and tests/vllm/test_vllm_router.py.
+"$PY" -m pip install -q vllm-router==0.1.17
 "$PY" -m tests.vllm.checkpoint "${KVGUARD_VLLM_MODEL:-.venv-vllm/tiny-llama}"

@@ -96,7 +96,7 @@ async def post(
         async with http.post(
             url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as r:
-            data = await r.json(content_type=None)
+            text = await r.text()
     except aiohttp.ClientConnectorError as exc:
         return failed("refused", exc)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
@@ -106,6 +106,10 @@ async def post(
     except asyncio.TimeoutError as exc:
         return failed("timeout", exc)
     took = time.monotonic() - t0
+    try:
+        data = json.loads(text)
+    except ValueError:  # a proxy's own plain-text error
+        return Outcome(r.status, f"http {r.status} (not JSON)", (), text[:300], took), None
     if r.status != 200:
         kind = f"http {r.status} {_error_type(data)}"
         return Outcome(r.status, kind, (), json.dumps(data)[:300], took), None

@@ -39,7 +39,7 @@ def pytest_report_header() -> str | None:
 # What kvguard said while a test failed, printed last: a CI log keeps the
 # head and tail of a run's output, where a failure's own text (with the
 # servers' logs) may be cut out of the middle.
-_NOTABLE = re.compile(r"\[(?:warning|error|critical) *\]|prefill_link_closed|Traceback")
+_NOTABLE = re.compile(r"\[(?:warning|error|critical) *\]|prefill_link_closed| ERROR ")
 _PER_LOG = 12  # lines kept per server log and failed test
 _OFFSETS = pytest.StashKey[dict[Path, int]]()
 _seen: list[str] = []

@@ -145,6 +145,9 @@ class Server:
     log_path: Path | None = None  # default: LOGS / server-NAME.log
     start_s: float | None = None
     grace_s: float = 0.0  # stop(): SIGTERM, this long for the session to end, then SIGKILL
+    # A shell command line run instead of the one built below (a command as
+    # the docs give it); it must serve on ``port``. The environment is the same.
+    shell: str = ""
 
     @property
     def url(self) -> str:
@@ -179,11 +182,17 @@ class Server:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, str(ROOT)])
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # as in vLLM's activated venv
         start_s = START_S if self.start_s is None else self.start_s
         with self.log.open("ab") as out:  # "ab": a restart keeps the log before it
             start_at = out.tell()
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                ["bash", "-c", self.shell] if self.shell else cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
         def alive() -> None:

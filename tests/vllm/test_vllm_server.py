@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import time
@@ -34,6 +33,7 @@ from tests.vllm.cluster import (
     sampling,
     settle,
 )
+from tests.vllm.docs import checked_block, local
 from tests.vllm.ports import free_port
 from tests.vllm.report import Row
 from tests.vllm.servers import BIN, LOGS, ROOT, Proxy, Server, kv_config, start_all, wait_healthy
@@ -46,16 +46,12 @@ PROMPTS = [[_rng.randrange(1, 256) for _ in range(_rng.randrange(33, 100))] for 
 
 # ==== docs/vllm.md's commands ==================================================
 
-DOCS = ROOT / "docs" / "vllm.md"
 DOCS_MARK = "<!-- checked by tests/vllm/test_vllm_server.py -->"
 
 
 def docs_commands() -> tuple[str, str]:
     """The checked block of docs/vllm.md: (the servers and proxy, the curl through it)."""
-    text = DOCS.read_text()
-    found = re.search(re.escape(DOCS_MARK) + r"\s*```sh\n(.*?)```", text, re.S)
-    assert found, f"no block marked {DOCS_MARK!r} in {DOCS}"
-    block = found.group(1)
+    block = checked_block(DOCS_MARK)
     start, sep, curl = block.partition("# once /health")
     assert sep, "the checked block has no '# once /health' line between the servers and the curl"
     return start, curl.partition("\n")[2]
@@ -65,16 +61,11 @@ def test_docs_commands_serve_a_pd_request_through_the_proxy() -> None:
     start, curl = docs_commands()
     ports = {p: free_port() for p in ("8100", "8200", "8000", "17600")}
 
-    def local(cmd: str) -> str:
-        for old, new in ports.items():
-            cmd = re.sub(rf"\b{old}\b", str(new), cmd)
-        return cmd
-
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     log = LOGS / "docs-commands.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["bash", "-c", local(start) + "\nwait"],
+            ["bash", "-c", local(start, ports) + "\nwait"],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -90,7 +81,7 @@ def test_docs_commands_serve_a_pd_request_through_the_proxy() -> None:
 
         wait_healthy(urls, time.monotonic() + 2 * 300.0, alive)
         got = subprocess.run(
-            ["bash", "-c", local(curl)], cwd=ROOT, env=env, capture_output=True, timeout=120
+            ["bash", "-c", local(curl, ports)], cwd=ROOT, env=env, capture_output=True, timeout=120
         )
         assert got.returncode == 0, (got, log.read_text()[-3000:])
         reply = json.loads(got.stdout)
