@@ -28,7 +28,8 @@ hold each scenario to exactly that:
   sent to the dead decode;
 * a prefill frozen (SIGSTOP): its loads fail at the heartbeat timeout and
   are computed on the decode; its prefill legs wait for it (the router has
-  no per-leg timeout) and are answered once it is thawed: 64/64, equal;
+  no per-leg timeout), and once it is thawed are answered or reset (the
+  router's error again);
 * in each: the 16 requests after detection are answered, equal, and none
   went to the faulted server (the router's own metrics); the surviving
   servers are idle after; no block a fence held was allocated to another
@@ -388,14 +389,16 @@ def test_a_prefill_frozen_mid_run(deployment: Deployment) -> None:
     timeout and are computed there; its prefill legs wait for it (the
     router has no per-leg timeout); the router's health check takes it out,
     and the requests after that are answered by the other prefill. Thawed,
-    it answers its waiting legs: every request answered, equal."""
+    it answers its waiting legs, or resets them: its server's keep-alive
+    timer, overdue, may close a kept-alive connection whose new request it
+    has not read yet (a reset), and the router retries nothing."""
     d = deployment
     target = d.prefills[0]
     try:
         f = scenario(d, "prefill SIGSTOP mid-run", seed=320, target=target, fault=Freeze())
     finally:
         target.signal(signal.SIGCONT)
-    assert f.first.equal == REQUESTS, (f.first.failed()[:4], d.logs())
+    assert_equal_or(f.first, f"Prefill request to {target.url}", d)
     assert f.second is not None and f.second.equal == AFTER_DETECTION, f.second
     assert f.legs == 0, f"the router sent {f.legs} legs to the frozen {target.name}"
     assert_settled(d)
