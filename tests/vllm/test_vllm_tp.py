@@ -81,8 +81,11 @@ DEADLINE_S = 60.0
 FREEZE_S = HEARTBEAT_TIMEOUT_S + 1.0
 ASKED_S = 1.0  # how long after the freeze the decode may ask (a hang guard)
 SETTLE_S = DEADLINE_S + 20.0  # bounds a wait for a server to become idle
-# The proxy's prefill leg rides out the same stalls as the loads.
-PROXY_ARGS = ["--prefill-timeout-s", str(DEADLINE_S)]
+# The proxy's legs ride out the same stalls as the loads: a prefill leg's
+# reply, and a connect to a TP 2 decode whose API server did not accept
+# within the default 5 s (all 8 requests of a pairing answered 504 "no
+# connection within 5 s" in one run of this module).
+PROXY_ARGS = ["--prefill-timeout-s", str(DEADLINE_S), "--connect-timeout-s", str(DEADLINE_S)]
 TP2 = ["--tensor-parallel-size", "2"]
 # vLLM's CPU worker binds each rank's whole process to the rank's cores, and
 # kvguard's threads (sender, receiver, engine) with it. On two cores shared
