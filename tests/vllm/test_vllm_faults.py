@@ -154,10 +154,15 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     for d in (c.fail, c.recompute):
         ended_as(d, before[d.name], {("loaded", ""): 4, ("failed", "peer_lost"): WAVE})
     if sig == signal.SIGKILL:
-        # Within 1 s of the prefill's exit (its connections drop then), and
-        # before any heartbeat could have dropped them instead.
+        # Within 1 s of the prefill's exit (its connections drop then), and,
+        # where the kernel closed them before a heartbeat could have dropped
+        # the links, before that too: the close ended them, not the heartbeat.
+        # (Reclaiming a killed server's memory took the kernel up to 6 s on
+        # this host, past the heartbeat timeout: the heartbeat then rightly
+        # comes first, and the first bound still holds.)
         assert min(took) >= 0 and max(took) <= dead_s + KILL_S, rows[0].note
-        assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
+        if dead_s + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S:
+            assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
     else:
         # Not before the timeout (the prefill is only silent), within its promise.
         assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
