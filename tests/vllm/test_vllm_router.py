@@ -79,7 +79,6 @@ AFTER_DETECTION = 16  # requests sent once the router's health check saw the fau
 # failing at its timeout (2 s) when the server is frozen; slack for a
 # loaded host.
 DETECT_S = 30.0
-DEADLINE_S = 10.0  # the servers' default kvguard_deadline_s (the block sets none)
 REQUEST_S = 300.0  # the client's own bound on one request: a hang guard
 # A prefill holds the KV of a request whose decode died until its hold
 # (kvguard_hold_s, 30 s by default) ends.
@@ -173,8 +172,9 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
 
 
 TABLE_HEADER = (
-    "| scenario | requests | answered | equal | lost (the router's error) | max s "
-    "| after detection: answered, legs to the faulted one |\n|---|---|---|---|---|---|---|"
+    "| scenario | requests | answered | equal | lost (the router's error) | router retries "
+    "| max s | after detection: answered, legs to the faulted one |"
+    "\n|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -222,6 +222,7 @@ class Found:
     first: Wave  # REQUESTS, the fault among them
     second: Wave | None  # AFTER_DETECTION more, once the router saw the fault
     legs: int  # of the second wave's, sent to the faulted server
+    retries: int  # the router's own count (vllm_router_retries_total) over both waves
 
 
 class Fault:
@@ -260,6 +261,7 @@ def scenario(
     want = references(d, prompts)
     for s in d.servers:
         s.reset_prefix_cache(within_s=SETTLE_S)
+    retries = d.router_total("vllm_router_retries_total")
     metric = "vllm_router_pd_decode_requests_total"
     if target is None or target in d.prefills:
         metric = "vllm_router_pd_prefill_requests_total"
@@ -295,11 +297,13 @@ def scenario(
         Wave(first, want[:REQUESTS]),
         None if second is None else Wave(second, want[REQUESTS:]),
         legs,
+        d.router_total("vllm_router_retries_total") - retries,
     )
     after = "-" if found.second is None else f"{found.second.equal}/{AFTER_DETECTION}, {legs}"
     d.rows.append(
         f"| {name} | {REQUESTS} | {REQUESTS - len(found.first.failed())} | {found.first.equal} "
-        f"| {len(found.first.failed())} | {max(o.seconds for o in first):.1f} | {after} |"
+        f"| {len(found.first.failed())} | {found.retries} | {max(o.seconds for o in first):.1f} "
+        f"| {after} |"
     )
     print(f"\n{d.rows[-1]}\ntook {spread([o.seconds for o in first])}")
     for o in found.first.failed():
