@@ -274,7 +274,9 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, name{labels} -> value."""
-        text = _get(self.url + "/metrics", 10).decode()
+        # 30 s: a TP 2 server just after failing a batch of requests has
+        # kept /metrics unanswered past 10 s on this host.
+        text = _get(self.url + "/metrics", 30).decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -281,11 +281,15 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
             what += f"; its control port closed {closed.at() - t_fault:.2f}s after the kill"
         print(f"\n{what}")
         kinds = [o.kind for o, _ in outs]
-        moved = transfers(s.d2) - before
-        assert kinds == [FAILED] * len(outs), (
-            f"{what}: {kinds}; the worker was {worker_state} then; "
-            f"{s.d2.name}'s transfers: {dict(moved)}\n{s.logs()}"
-        )
+        if kinds != [FAILED] * len(outs):  # the decode's record, read only to explain
+            try:
+                moved: object = dict(transfers(s.d2) - before)
+            except OSError as exc:
+                moved = f"unreadable ({exc!r})"
+            raise AssertionError(
+                f"{what}: {kinds}; the worker was {worker_state} then; "
+                f"{s.d2.name}'s transfers: {moved}\n{s.logs()}"
+            )
         if sig == signal.SIGKILL:
             assert min(took) >= 0 and max(took) <= closed.at() - t_fault + KILL_S, what
             assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, what
