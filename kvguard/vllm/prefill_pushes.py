@@ -231,7 +231,8 @@ class PrefillSender:
         # A digest reads a held source: it ends before that hold's release is
         # published (vLLM may write the blocks once it takes the id).
         releasing = {a.request_id for a in later if isinstance(a, Release)}
-        wait([made for (rid, _), made in self._digests.items() if rid in releasing])
+        if releasing:  # most turns release nothing: no scan of the digests
+            wait([made for (rid, _), made in self._digests.items() if rid in releasing])
         # Stats first: whoever hears of a release or an answer finds it counted.
         denied = 0 if self._guard is None else self._guard.denied
         with self._lock:
