@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -39,8 +40,10 @@ from multidict import CIMultiDict
 
 from kvguard.proxy import Failure, ProxyConfig, ProxyError, serve
 from kvguard.proxy.backends import Pool
+from kvguard.proxy.legs import IDLE_CONNECTION_S
 from kvguard.proxy.protocol import (
     CHAT_COMPLETIONS,
+    CLIENT_TIMEOUT_HEADER,
     COMPLETIONS,
     KV_LOADS,
     PREFILL_KV_TRANSFER_PARAMS,
@@ -583,6 +586,112 @@ def test_a_hung_leg_is_504_at_its_deadline_and_its_request_closed(leg: str) -> N
     run(scenario())
 
 
+def slow(seconds: float) -> Handler:
+    """Answers as vLLM does, ``seconds`` late (a prefill queued behind others)."""
+
+    async def handler(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+        await asyncio.sleep(seconds)
+        return await vllm(backend, request, body)
+
+    return handler
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+def test_the_time_the_client_allows_ends_each_leg_before_the_legs_own(leg: str) -> None:
+    """OpenAI's SDKs send their timeout as X-Stainless-Timeout: both legs end
+    within it (the decode within what the prefill left), 504 naming it."""
+
+    async def scenario() -> None:
+        specs = [
+            ("P", hang if leg == "prefill" else slow(0.1)),
+            ("D", hang if leg == "decode" else vllm),
+        ]
+        async with backends(*specs) as (p, d):
+            hung = p if leg == "prefill" else d
+            async with proxy([p], [d], prefill_timeout_s=30, decode_timeout_s=30) as url:
+                t0 = time.monotonic()
+                reply = await post(
+                    url, COMPLETIONS, {"prompt": "a"}, headers={CLIENT_TIMEOUT_HEADER: "0.5"}
+                )
+                took = time.monotonic() - t0
+                assert reply.status == 504, reply.data
+                message = reply.json()["error"]["message"]
+                head = f"{leg} {hung.url}: no complete reply within the "
+                tail = " s the client allows (X-Stainless-Timeout)"
+                assert message.startswith(head) and message.endswith(tail), message
+                allowed = float(message[len(head) : -len(tail)])
+                if leg == "prefill":
+                    assert 0.45 < allowed <= 0.5, message  # all of it, less the body's read
+                else:
+                    assert 0 < allowed <= 0.4, message  # what the 0.1 s prefill left
+                assert took < 30, took  # not the leg's own deadline
+                await asyncio.wait_for(hung.cancelled.wait(), SETTLE_S)
+
+    run(scenario())
+
+
+def test_a_queued_prefill_completes_within_the_client_time_and_a_set_deadline_still_binds() -> None:
+    """A prefill that answers late completes while the client waits: by
+    default the proxy waits as long as OpenAI's SDKs do (600 s). A deadline
+    the operator set (--prefill-timeout-s) binds under a longer client time."""
+
+    async def scenario() -> None:
+        async with backends(("P", slow(0.6)), ("D", vllm)) as (p, d):
+            slow_ok = {"headers": {CLIENT_TIMEOUT_HEADER: "5"}}
+            async with proxy([p], [d]) as url:
+                assert (await post(url, COMPLETIONS, {"prompt": "a"}, **slow_ok)).status == 200
+                assert (await post(url, COMPLETIONS, {"prompt": "a"})).status == 200
+            async with proxy([p], [d], prefill_timeout_s=0.3) as url:
+                reply = await post(url, COMPLETIONS, {"prompt": "a"}, **slow_ok)
+                assert reply.json() == error(
+                    504,
+                    "UpstreamTimeoutError",
+                    f"prefill {p.url}: no complete reply within the 0.3 s deadline",
+                )
+        assert ProxyConfig(["http://a:1"], ["http://b:2"]).prefill_timeout_s == 600
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf", ""])
+def test_a_client_time_that_is_not_seconds_is_400_and_reaches_no_backend(value: str) -> None:
+    async def scenario() -> None:
+        async with backends(("P", vllm), ("D", vllm)) as (p, d), proxy([p], [d]) as url:
+            headers = {CLIENT_TIMEOUT_HEADER: value}
+            reply = await post(url, COMPLETIONS, {"prompt": "a"}, headers=headers)
+            assert reply.json() == error(
+                400,
+                "BadRequestError",
+                f"header X-Stainless-Timeout: {value!r} is not a number of seconds > 0",
+            )
+            assert p.received == d.received == []
+
+    run(scenario())
+
+
+def test_an_idle_backend_connection_is_closed_before_vllm_would_close_it() -> None:
+    """vLLM's server closes a connection idle 5 s; a request the proxy sends
+    on it as it closes fails. So the proxy drops its own idle ones sooner:
+    a leg after IDLE_CONNECTION_S opens a new connection (another port)."""
+    ports: list[int] = []
+
+    async def port_of(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+        assert request.transport is not None
+        ports.append(request.transport.get_extra_info("peername")[1])
+        return await vllm(backend, request, body)
+
+    async def scenario() -> None:
+        quiet = {"health_interval_s": 60}  # no /health probe reuses the connection meanwhile
+        async with backends(("P", port_of), ("D", vllm)) as (p, d), proxy([p], [d], **quiet) as url:
+            for pause in (0.0, 0.2, IDLE_CONNECTION_S + 0.5):
+                await asyncio.sleep(pause)
+                assert (await post(url, COMPLETIONS, {"prompt": "a"})).status == 200
+        assert ports[0] == ports[1] != ports[2], ports  # kept alive, then not
+        assert IDLE_CONNECTION_S < 5
+
+    run(scenario())
+
+
 def test_a_backend_that_never_accepts_is_a_connect_timeout() -> None:
     async def scenario() -> None:
         with socket.socket() as listener, socket.socket() as filler:
@@ -914,7 +1023,11 @@ def test_a_prefill_that_refuses_connections_is_retried_on_the_next_and_skipped(
         async with backends(("P", vllm), ("D", vllm)) as (p, d):
             config = ProxyConfig([gone, p.url], [d.url], health_interval_s=3600)
             async with serve(config) as url:
-                await asyncio.sleep(0.1)  # the first probe marks it down already
+                # The first probe round marks it down: wait for it, not a time.
+                deadline = time.monotonic() + SETTLE_S
+                while not [e for e in logs if e["event"] == "backend_down"]:
+                    assert time.monotonic() < deadline, "the first probe never marked it down"
+                    await asyncio.sleep(0.01)
                 replies = [await post(url, COMPLETIONS, {"prompt": f"q{i}"}) for i in range(4)]
             assert [r.status for r in replies] == [200] * 4
             assert len(p.posts()) == 4 and len(d.posts()) == 4
@@ -962,6 +1075,11 @@ def test_a_decode_whose_health_fails_is_skipped_until_it_answers_again(
             config = ProxyConfig([p.url], [d0.url, d1.url], health_interval_s=0.05)
             async with serve(config) as url:
                 while d0.probes < 1 or d1.probes < 1:
+                    await asyncio.sleep(0.01)
+                # D0 counting a probe is not the proxy marking it down: wait for that.
+                deadline = time.monotonic() + SETTLE_S
+                while not [e for e in logs if e["event"] == "backend_down"]:
+                    assert time.monotonic() < deadline, "the probe of D0 never marked it down"
                     await asyncio.sleep(0.01)
                 for i in range(3):
                     assert (await post(url, COMPLETIONS, {"prompt": f"a{i}"})).status == 200

@@ -19,7 +19,7 @@ when every backend answers its own ``/health`` with 200.
 Interface (stable; the server-mode tests drive it)::
 
     kvguard proxy --prefill URL [URL ...] --decode URL [URL ...]
-                  [--host 127.0.0.1] [--port 8000] [--prefill-timeout-s 30]
+                  [--host 127.0.0.1] [--port 8000] [--prefill-timeout-s 600]
                   [--decode-timeout-s 300] [--connect-timeout-s 5]
                   [--health-timeout-s 5] [--max-body-bytes 33554432]
                   [--log-level info]

@@ -28,8 +28,13 @@ __all__ = [
 
 # Where --api-key comes from when not given (as vLLM's VLLM_API_KEY).
 API_KEY_ENV = "KVGUARD_API_KEY"
-# A prefill computes the whole prompt and one token: seconds, not minutes.
-DEFAULT_PREFILL_TIMEOUT_S = 30.0
+# The prefill leg when the client states no time of its own: the OpenAI
+# SDKs' default timeout, so a client on defaults and the proxy give up
+# together. Under load a prefill queues behind others for minutes and still
+# completes; a shorter proxy deadline would fail it (issue 33: 24 of 64 at
+# 32 concurrent requests with 30 s). A client's X-Stainless-Timeout bounds
+# both legs (protocol.client_timeout).
+DEFAULT_PREFILL_TIMEOUT_S = 600.0
 # A decode streams up to max_tokens tokens, its KV load included.
 DEFAULT_DECODE_TIMEOUT_S = 300.0
 # Establishing a TCP connection to a backend (within each leg's deadline).

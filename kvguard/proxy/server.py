@@ -25,6 +25,7 @@ from .protocol import (
     COMPLETIONS,
     Failure,
     ProxyError,
+    client_timeout,
     decode_request,
     parse_client_body,
     prefill_request,
@@ -68,14 +69,15 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     proxy = request.app[_PROXY]
     rec = Record(uuid.uuid4().hex, request.path)
     try:
+        allowed = client_timeout(request.headers)  # both legs end within it
         body = await _client_body(request, proxy.config.max_body_bytes)
         headers = _upstream_headers(request, rec.request_id)
-        params = await _prefill(proxy, request.path, body, headers, rec)
+        params = await _prefill(proxy, request.path, body, headers, rec, allowed)
         leg = proxy.decode_pool.pick()
         assert leg is not None  # a pool of one or more, nothing tried
         with rec.leg(leg):
             out, error = await proxy.decode(
-                request, leg, decode_request(body, params), headers, rec
+                request, leg.within(rec.left(allowed)), decode_request(body, params), headers, rec
             )
     except ProxyError as err:
         rec.emit(err.type, err.status, err.message)
@@ -94,17 +96,25 @@ async def _generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _prefill(
-    proxy: Proxy, path: str, body: dict[str, Any], headers: dict[str, str], rec: Record
+    proxy: Proxy,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    rec: Record,
+    allowed: float | None,
 ) -> dict[str, Any]:
     """The prefill leg, on the next prefill that is up; one that cannot even
-    be connected to (nothing was sent) is marked down and the next one tried."""
+    be connected to (nothing was sent) is marked down and the next one tried.
+    It ends within the ``allowed`` seconds the client waits (None: no limit)."""
     tried: set[str] = set()
     while True:
         leg = proxy.prefill_pool.pick(tried)
         assert leg is not None  # the loop ends before every one was tried
         try:
             with rec.leg(leg):
-                return await proxy.prefill(leg, path, prefill_request(path, body), headers, rec)
+                return await proxy.prefill(
+                    leg.within(rec.left(allowed)), path, prefill_request(path, body), headers, rec
+                )
         except ProxyError as err:
             tried.add(leg.url)
             if err.type != Failure.UNREACHABLE.type or len(tried) == len(proxy.prefills):
