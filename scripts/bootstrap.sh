@@ -33,4 +33,4 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 # The CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
 "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q -e '.[dev]'
+"$PY" -m pip install -q -e '.[dev,cpu]'

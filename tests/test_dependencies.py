@@ -74,6 +74,14 @@ def test_every_third_party_import_is_declared() -> None:
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
 
 
+def test_the_engine_is_one_extra_per_host_and_no_core_dependency() -> None:
+    """Both engine wheels hold the same ``mooncake`` module: a core dependency
+    on one could not be swapped for the other by an extra."""
+    assert _extra("cpu") == {"mooncake-transfer-engine-non-cuda"}
+    assert _extra("gpu") == {"mooncake-transfer-engine"}
+    assert not {d for d in _declared() if d.startswith("mooncake")}
+
+
 def test_the_check_has_teeth() -> None:
     # hypothesis is installed (dev extra) but is no runtime dependency.
     dists = packages_distributions()

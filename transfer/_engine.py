@@ -44,6 +44,7 @@ __all__ = [
     "P2P_HANDSHAKE",
     "code_name",
     "engine_peer_budget",
+    "engine_stderr",
     "import_engine",
     "is_wildcard",
     "keep_forever",
@@ -122,15 +123,14 @@ _GLOG_LINE: Final = re.compile(
 
 
 @contextlib.contextmanager
-def _engine_stderr() -> Iterator[list[str]]:
-    """Around engine start-up: keep the engine's glog lines off the terminal.
+def engine_stderr() -> Iterator[list[str]]:
+    """Keep the engine's glog lines off the terminal while the block runs.
 
     The engine writes them to file descriptor 2 from C++, so sys.stderr cannot
-    catch them: fd 2 points at a temporary file for the few milliseconds of
-    construction and initialize, then back. Whatever else was written there
-    meanwhile (another thread's output) is written back; the glog lines are
-    yielded to the caller, which shows them if the engine refused to start.
-    KVGUARD_ENGINE_LOG=1 leaves fd 2 alone.
+    catch them: fd 2 points at a temporary file meanwhile, then back. Whatever
+    else was written there is written back; the glog lines are yielded to the
+    caller, which shows them where they explain (an engine that refused to
+    start). KVGUARD_ENGINE_LOG=1 leaves fd 2 alone.
     """
     glog: list[str] = []
     if os.environ.get(ENGINE_LOG_ENV, "") in ("1", "true", "yes"):
@@ -184,8 +184,8 @@ def make_engine(
         engine_module = import_engine()
     except ImportError as exc:
         raise EngineError(
-            "mooncake.engine is not importable: install mooncake-transfer-engine "
-            "(or -non-cuda) and the libibverbs1 system package"
+            "mooncake.engine is not importable: install kvguard[cpu] (or kvguard[gpu] "
+            "on a CUDA host) and the libibverbs1 system package"
         ) from exc
     with _ENV_LOCK:
         saved = os.environ.get("MC_TRANSFER_TIMEOUT")
@@ -199,7 +199,7 @@ def make_engine(
                 "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S, MIN_TRANSFER_TIMEOUT_S
             )
             budget = engine_peer_budget()
-            with _engine_stderr() as captured:
+            with engine_stderr() as captured:
                 engine = engine_module.TransferEngine()
                 rc = engine.initialize(local_ip, metadata, protocol, device_name)
                 if rc != 0:
