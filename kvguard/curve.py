@@ -150,9 +150,10 @@ class Guard:
         """The ZAP handler's question, on its thread: is ``key`` (z85) allowed?"""
         if key in self.keys.allowed:
             return True
+        # Logged before counted: whoever sees the count can find the event.
+        _log.warning("curve_denied", key=key.decode("ascii", "replace"), domain=domain)
         with self._lock:
             self._denied += 1
-        _log.warning("curve_denied", key=key.decode("ascii", "replace"), domain=domain)
         return False
 
     def secure(self, sock: zmq.Socket[bytes]) -> None:

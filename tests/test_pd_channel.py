@@ -552,6 +552,12 @@ def test_a_stalled_link_backs_off_and_outlives_a_failed_reopen(
         with capture_logs() as logs:
             receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
             pair.until(lambda: len(_events(logs, "prefill_link_stalled")) >= 3)
+            # The receiver's thread logs a stall before it makes the new
+            # socket: let the turn that logged the third one end first.
+            turn, deadline = receiver.steps, time.monotonic() + 10.0
+            while receiver.steps <= turn:
+                assert time.monotonic() < deadline, "the turn of the third stall never ended"
+                time.sleep(0.002)
             stalls = [e["after_s"] for e in _events(logs, "prefill_link_stalled")]
             assert all(after >= 0.6 * 2**k for k, after in enumerate(stalls)), stalls
             failed = _events(logs, "prefill_link_reopen_failed")
