@@ -12,14 +12,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.vllm.cluster import SETTLE_S, Cluster, start_cluster
 from tests.vllm.report import TABLE_HEADER
 from tests.vllm.servers import LOGS
+from tests.vllm.stalls import HostStall, Stall, StallWatch
 
 REQUIRED = os.environ.get("KVGUARD_REQUIRE_VLLM") == "1"
 if REQUIRED:
@@ -39,10 +45,58 @@ def pytest_report_header() -> str | None:
 # What kvguard said while a test failed, printed last: a CI log keeps the
 # head and tail of a run's output, where a failure's own text (with the
 # servers' logs) may be cut out of the middle.
-_NOTABLE = re.compile(r"\[(?:warning|error|critical) *\]|prefill_link_closed| ERROR ")
-_PER_LOG = 12  # lines kept per server log and failed test
+# kvguard's link events and each load's own line ("... after 0.130s") say
+# whether a late load waited on its link or on the engine.
+_NOTABLE = re.compile(
+    r"\[(?:warning|error|critical) *\]|prefill_link_|hold_expired|kvguard: KV load| ERROR "
+)
+_PER_LOG = 24  # lines kept per server log and failed test
 _OFFSETS = pytest.StashKey[dict[Path, int]]()
 _seen: list[str] = []
+_watch: list[StallWatch] = []  # the session's, while it runs (tests/vllm/stalls.py)
+_stalls: list[Stall] = []  # what it saw, once the session ended
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stall_watch() -> Iterator[StallWatch]:
+    """One monitor per CPU for the whole session: what tells a host stall."""
+    watch = StallWatch(LOGS / "stalls.log")
+    _watch.append(watch)
+    try:
+        yield watch
+    finally:
+        _watch.remove(watch)
+        watch.close()
+        _stalls.extend(watch.stalls())
+
+
+# A test whose failure overlapped a host stall runs again, up to this many
+# times; no other failure does. The VM stalls in clusters (three of 26-59 s
+# in five minutes of the TP module, dmesg's "workqueue lockup"), so twice.
+RERUNS = 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.flaky(reruns=RERUNS, only_rerun=[HostStall.__name__]))
+
+
+def _blame_stall(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """A failure during which a CPU ran nothing becomes ``HostStall``,
+    raised from it (the report shows both)."""
+    if call.excinfo is None or not _watch or call.excinfo.errisinstance(pytest.skip.Exception):
+        return
+    stalls = _watch[0].during(call.start, call.stop)
+    if not stalls:
+        return
+    what = "; ".join(f"{s}, {s.start - call.start:.1f} s into the {call.when}" for s in stalls)
+    _seen.append(f"{item.nodeid} ({call.when}): host stall: {what}")
+    try:
+        raise HostStall(f"the host stalled during this test: {what}") from call.excinfo.value
+    except HostStall:
+        call.excinfo = pytest.ExceptionInfo.from_current()
 
 
 def _log_sizes() -> dict[Path, int]:
@@ -57,6 +111,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    if call.when != "teardown":
+        _blame_stall(item, call)
     report = yield
     if report.failed and call.when != "teardown":
         start = item.stash.get(_OFFSETS, {})
@@ -70,10 +126,57 @@ def pytest_runtest_makereport(
             if lines:
                 _seen.append(f"  {path.name}: {len(lines)} lines, the last {_PER_LOG}:")
                 _seen.extend(f"    {ln[:300]}" for ln in lines[-_PER_LOG:])
+        _seen.extend(_stacks(item.name))
     return report
 
 
+# Where each server process was when a test failed: a hang (a worker that
+# never answers again) is told from a slow host only by its stacks.
+_PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+_THREADS = re.compile(r"MainThread|kvguard|zmq|ZMQ")  # the threads summed up here
+
+
+def _stacks(test: str) -> list[str]:
+    """Dump every live server process's threads (``py-spy dump --native``)
+    to ``LOGS/stacks-TEST.txt``; summarise the main and kvguard threads."""
+    if _PY_SPY is None:
+        return ["  no stacks: py-spy is not installed (scripts/vllm-env.sh installs it)"]
+    safe = re.sub(r"[^\w.-]", "_", test)[:120]
+    path = LOGS / f"stacks-{safe}.txt"
+    summary = [f"  stacks of the servers' processes: {path}"]
+    with path.open("w") as out:
+        monitors = _watch[0].pids if _watch else set()
+        for proc in psutil.Process().children(recursive=True):
+            if proc.pid in monitors:
+                continue
+            try:
+                name, state = " ".join(proc.cmdline())[:160], proc.status()
+            except psutil.Error:  # ended meanwhile
+                continue
+            try:
+                dump = subprocess.run(
+                    [_PY_SPY, "dump", "--native", "--pid", str(proc.pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                ).stdout
+            except subprocess.TimeoutExpired:
+                dump = "py-spy timed out\n"
+            out.write(f"=== pid {proc.pid} ({state}): {name}\n{dump}\n")
+            threads = dump.split("\nThread ")[1:]
+            top = [t.splitlines()[:2] for t in threads if _THREADS.search(t.splitlines()[0])]
+            if top:
+                summary.append(f"    pid {proc.pid} {name[:80]}")
+                summary.extend(f"      {' / '.join(x.strip() for x in t)[:220]}" for t in top)
+    return summary
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _stalls:
+        terminalreporter.section("host stalls (a CPU that ran nothing; tests/vllm/stalls.py)")
+        for stall in _stalls:
+            at = time.strftime("%H:%M:%S", time.localtime(stall.start))
+            terminalreporter.write_line(f"{at}: {stall}")
     if _seen:
         terminalreporter.section("kvguard and server warnings during failed tests")
         for line in _seen:
