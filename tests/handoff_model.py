@@ -17,7 +17,7 @@ from kvguard.vllm.decode_core import DecodeCore
 from kvguard.vllm.decode_legs import DecodeLegs
 from kvguard.vllm.prefill_core import PrefillCore
 from kvguard.vllm.protocol import Abort, Push, Renew
-from kvguard.vllm.ranks import RankHeads
+from kvguard.vllm.ranks import Pairing, RankHeads
 from kvguard.vllm.states import LoadEnd
 from transfer import KVCache, KVLayout
 from transfer.peer_protocol import PeerMessage, peer_message_of
@@ -46,6 +46,7 @@ def peer_message(session: str) -> PeerMessage:
 class Config:
     prefills: tuple[int, ...] = (1, 2)  # tensor parallel size of each prefill server
     decodes: tuple[int, ...] = (1, 2)  # ... of each decode server
+    heads: int = HEADS  # the model's KV heads (1: MLA's latent head, on every rank)
     requests: int = 500  # client requests, each a prefill request loaded by n decode requests
     rate: float = 150.0  # client requests per simulated second
     p_group: float = 0.3  # n > 1 ...
@@ -104,7 +105,9 @@ class DRank:
     def __init__(self, server: int, rank: int, tp: int, cfg: Config, skew: float) -> None:
         self.server, self.rank, self.skew = server, rank, skew
         self.ident = f"d{server}.{rank}".encode()
-        heads = RankHeads(rank, tp, HEADS)
+        heads = RankHeads(rank, tp, cfg.heads)
+        # The connector's own pairing: legs, their ids and each prefill rank's endpoint.
+        self.pairing = Pairing(heads, head_major=True, block_bytes=BLOCK_BYTES)
         self.core = DecodeCore(
             peer_message(self.ident.decode()),
             stall_s=cfg.hb_s,
@@ -166,7 +169,8 @@ class Child:
     """A decode request: one of the n loading prefill request ``src``."""
 
     __slots__ = (*("abort_at", "blocks", "cancelled", "deadline", "declared", "failed"),
-                 *("finals", "k", "legs", "n", "prefix", "pserver", "refused", "retry", "rid"),
+                 *("finals", "group", "k", "legs", "n", "prefix", "pserver", "refused", "retry"),
+                 "rid",
                  *("server", "src", "state"))  # fmt: skip
 
     def __init__(self, rid: str, src: str, pserver: int, server: int, n: int, k: int) -> None:
@@ -180,6 +184,7 @@ class Child:
         )
         self.declared = self.prefix = self.cancelled = self.failed = self.retry = False
         self.state, self.finals, self.deadline = QUEUED, 0, 0.0
+        self.group = 1  # its group's size as its pushes told the prefill
         self.legs = self.refused = 0  # legs of all its workers; of which refused
         self.blocks: list[int] = []
 

@@ -162,6 +162,8 @@ class Checker:
             )
         if world.now < held[0]:
             self.early[key] = (world.now, held[0])
+        else:
+            world.seen["hold ran out"] += 1
 
     def crashed(self, pr: PRank) -> None:
         for table in (self.holds, self.inflight):

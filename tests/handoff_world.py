@@ -35,7 +35,6 @@ from handoff_model import (
     DEAD,
     DONE,
     FAILS,
-    HEADS,
     LOADING,
     QUEUED,
     RETRIED,
@@ -67,9 +66,10 @@ from kvguard.vllm.actions import (
     Unfence,
 )
 from kvguard.vllm.decode_legs import Verdict
+from kvguard.vllm.params import Source
 from kvguard.vllm.prefill_core import PrefillCore
 from kvguard.vllm.protocol import Abort, Push, Renew
-from kvguard.vllm.ranks import Leg, RankHeads, legs
+from kvguard.vllm.ranks import RankHeads
 from kvguard.vllm.states import LoadEnd
 
 if TYPE_CHECKING:
@@ -86,12 +86,6 @@ class World(Network):
         self.made = self.children = self.loads = 0  # client requests, decode requests, loaded
         self.progress = 0  # decode requests handed back and holds released
         self.session = {dr.ident.decode(): ds.idx for ds in self.dservers for dr in ds.ranks}
-        self.plans: dict[tuple[int, int, int], list[Leg]] = {}  # (decode, rank, prefill TP)
-        for ds in self.dservers:
-            for dr in ds.ranks:
-                for ptp in sorted(set(cfg.prefills)):
-                    heads = RankHeads(dr.rank, ds.tp, HEADS)
-                    self.plans[ds.idx, dr.rank, ptp] = legs(heads, ptp, True)
         self.declared: dict[str, bool] = {}  # prefill request -> its n > 1 declared
         self.kids: dict[str, Child] = {}  # decode requests loading, by id
         self.at(0.0, self._client)
@@ -107,7 +101,7 @@ class World(Network):
             compat=COMPAT,
             renew_s=cfg.hold_s,
             max_hold_s=cfg.max_hold_s,
-            heads=RankHeads(pr.rank, pr.tp, HEADS),
+            heads=RankHeads(pr.rank, pr.tp, cfg.heads),
             head_major=True,
             block_bytes=BLOCK_BYTES,
         )
@@ -287,11 +281,10 @@ class World(Network):
         self.at(self.now + max(self.cfg.hold_s / 3, 0.1), self._renew, ch)
         self._schedule(ds)
 
-    def _urls(self, dr: DRank, ch: Child) -> list[tuple[str, int]]:
-        """The prefill ranks ``dr`` loads ``ch`` from, and how many decode ranks ask each."""
+    def _source(self, ch: Child) -> Source:
+        """``ch``'s prefill request as its ``kv_transfer_params`` name it."""
         ranks = self.pservers[ch.pserver]
-        plan = self.plans[dr.server, dr.rank, len(ranks)]
-        return [(ranks[leg.prefill_rank].url, leg.fan_in) for leg in plan]
+        return Source(ranks[0].url, ch.src, len(ranks))
 
     def _schedule(self, ds: DServer) -> None:
         while ds.queue:
@@ -322,19 +315,18 @@ class World(Network):
         self.kids[ch.rid] = ch
         self.loads += 1
         self.check.loading(self, ch, len(ds.ranks))
-        ranks = self.pservers[ch.pserver]
-        for dr in ds.ranks:
-            plan = self.plans[ds.idx, dr.rank, len(ranks)]
-            single = len(plan) == 1 and plan[0].fan_in == 1
-            ids = [ch.rid if single else f"{ch.rid}#{dr.rank}.{leg.prefill_rank}" for leg in plan]
-            dr.legs.start(ch.rid, ch.blocks, ids)
-            ch.legs += len(ids)
-            for leg, lid in zip(plan, ids, strict=True):
-                url = ranks[leg.prefill_rank].url
+        src = self._source(ch)
+        for dr in ds.ranks:  # the worker's _expect
+            asks = dr.pairing.asks(ch.rid, src)
+            dr.legs.start(ch.rid, ch.blocks, [a.leg_id for a in asks])
+            ch.legs += len(asks)
+            for a in asks:
                 acts = dr.core.expect(
-                    lid, url, ch.src, ch.blocks, ch.deadline, size * leg.fan_in, now, now + dr.skew
-                )
+                    a.leg_id, a.url, ch.src, ch.blocks, ch.deadline, size * a.fan_in, now,
+                    now + dr.skew,
+                )  # fmt: skip
                 self._d_apply(dr, acts)
+        ch.group = size
 
     def _not_loading(self, ds: DServer, ch: Child) -> None:
         """The connector's ``_not_loading``: tell the prefill (with the group's
@@ -350,7 +342,7 @@ class World(Network):
                 del ds.groups[ch.src]
         if tell:
             for dr in ds.ranks:
-                for url, fan_in in self._urls(dr, ch):
+                for url, fan_in in dr.pairing.ranks_of(self._source(ch)):
                     self._d_apply(dr, dr.core.forget(url, ch.src, self.now, size * fan_in))
 
     def _renew(self, ch: Child) -> None:
@@ -358,7 +350,7 @@ class World(Network):
             return
         ds = self.dservers[ch.server]
         for dr in ds.ranks:
-            for url, _ in self._urls(dr, ch):
+            for url in dr.pairing.urls(self._source(ch)):
                 self._d_apply(dr, dr.core.renew(url, ch.src, self.now))
         self.at(self.now + max(self.cfg.hold_s / 3, 0.1), self._renew, ch)
 
@@ -388,6 +380,9 @@ class World(Network):
             return
         ch.finals += 1
         ch.failed |= not v.outcome.ok
+        if not v.outcome.end.keeps_hold:  # the worker's _let_go
+            for url in dr.pairing.spare_urls(self._source(ch)):
+                self._d_apply(dr, dr.core.forget(url, ch.src, self.now, ch.group))
         # Every leg refused: the prefill keeps the blocks for another decode (the
         # docs' promise), and the client sends the request again, once.
         if ch.refused == ch.legs and not ch.retry and self.rng.random() < self.cfg.p_retry:

@@ -43,6 +43,7 @@ from kvguard.vllm.decode_records import Wait
 from kvguard.vllm.prefill_core import PrefillCore
 from kvguard.vllm.prefill_records import Hold, PushRecord
 from kvguard.vllm.protocol import Abort, Push
+from kvguard.vllm.ranks import Pairing
 from kvguard.vllm.states import LinkState, LoadEnd, LoadState, PushState
 
 # -- random worlds -------------------------------------------------------------
@@ -56,6 +57,7 @@ def worlds(draw: st.DrawFn) -> Config:
     return Config(
         prefills=tuple(draw(st.lists(st.sampled_from((1, 2)), min_size=1, max_size=3))),
         decodes=tuple(draw(st.lists(st.sampled_from((1, 2)), min_size=1, max_size=3))),
+        heads=draw(st.sampled_from((4, 1))),  # 1: MLA (a larger prefill has spare ranks)
         requests=draw(st.integers(20, 250)),
         rate=draw(st.floats(20.0, 400.0)),
         p_group=draw(rate),
@@ -375,6 +377,25 @@ def test_a_given_up_load_before_any_push_keeps_a_declared_groups_hold() -> None:
     (reply,) = core.receive(b"d", Abort("r", "r.0", group=2), 0.1, 0.1)  # no Release
     assert isinstance(reply, Reply) and reply.result.reason == LoadEnd.ABORTED.value
     assert [type(a) for a in core.receive(b"d", _push("r.1"), 0.2, 0.2)] == [Submit]
+
+
+# One latent head (MLA): a prefill of 2 ranks, a decode of 1, no faults.
+MLA_SPARE = replace(FORGET_FIRST, prefills=(2,), heads=1, requests=40, p_group=0.0, p_prefix=0.0)
+
+
+def test_an_mla_prefills_spare_rank_lets_go_when_the_load_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill rank 1 holds what the decode loads from rank 0 alone: told by
+    the decode to let go once the load is over, no hold runs out. Without
+    that forget, every request's spare hold runs out at its deadline (vLLM
+    frees the prefill's blocks only then)."""
+    out = run(1, MLA_SPARE)
+    assert (out.children, out.loads, out.seen.get("load loaded")) == (40, 40, 40)
+    assert out.seen.get("hold ran out", 0) == 0
+    monkeypatch.setattr(Pairing, "spare_urls", lambda self, source: [])
+    out = run(1, MLA_SPARE)
+    assert (out.seen.get("load loaded"), out.seen.get("hold ran out")) == (40, 40)
 
 
 def test_a_hold_back_from_loading_ends_once_at_its_deadline() -> None:

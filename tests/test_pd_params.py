@@ -103,6 +103,23 @@ def test_a_load_is_asked_of_each_prefill_rank_at_its_own_port() -> None:
     assert pairing.urls(two) == ["tcp://10.0.0.1:17600", "tcp://10.0.0.1:17601"]
 
 
+def test_an_mla_decode_tells_the_prefill_ranks_no_one_loads_from_to_let_go() -> None:
+    # Prefill 4, decode 2, one latent head: decode rank 1 loads from prefill
+    # rank 1 and tells rank 3 (renewing only what it loads).
+    mla = Pairing(RankHeads(1, 2, 1), head_major=False, block_bytes=512)
+    src = Source(EP, "p1", 4)
+    assert mla.asks("d", src) == [LegAsk("d", "tcp://10.0.0.1:17601", 1, None)]
+    assert mla.spare_urls(src) == ["tcp://10.0.0.1:17603"]
+    assert mla.urls(src) == ["tcp://10.0.0.1:17601"]
+    assert mla.ranks_of(src) == [("tcp://10.0.0.1:17601", 1), ("tcp://10.0.0.1:17603", 1)]
+    # None for a source no load can use, or a rank whose port does not exist.
+    assert mla.spare_urls(Source(EP, "p1", 0, "kvguard_tp_size: bad")) == []
+    assert mla.ranks_of(Source("10.0.0.1:65533", "p1", 4)) == [("tcp://10.0.0.1:65534", 1)]
+    # Heads split over the ranks: every prefill rank is loaded from, none spare.
+    split = Pairing(RankHeads(1, 2, 4), head_major=True, block_bytes=512)
+    assert split.spare_urls(src) == []
+
+
 @pytest.mark.parametrize(
     "endpoint", ["ipc:///tmp/p", "inproc://p", "tcp://ipc://x", "tcp://h:x", "h", "::1:7000"]
 )

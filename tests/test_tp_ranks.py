@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvguard.vllm.decode_legs import DecodeLegs, Verdict
 from kvguard.vllm.decode_loads import LoadOutcome
-from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint
+from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint, spares
 from kvguard.vllm.states import LoadEnd
 
 # -- ranks ----------------------------------------------------------------------
@@ -188,23 +188,40 @@ def test_the_first_failure_names_the_request_and_the_slowest_leg_its_latency() -
     assert final == Verdict("r", [1], LoadOutcome("r", LoadEnd.TIMEOUT, "late", 0.9, True), True)
 
 
-@pytest.mark.parametrize(("prefill_size", "decode_size"), [(1, 2), (1, 4), (2, 4), (3, 4), (2, 2)])
+MLA_PAIRS = [(1, 2), (1, 4), (2, 4), (3, 4), (2, 2), (2, 1), (4, 1), (4, 2), (3, 2), (8, 3)]
+
+
+@pytest.mark.parametrize(("prefill_size", "decode_size"), MLA_PAIRS)
 def test_mla_each_decode_rank_loads_whole_blocks_from_one_prefill_rank(
     prefill_size: int, decode_size: int
 ) -> None:
+    """Each decode rank loads from one prefill rank; every other prefill rank
+    is told to let go by exactly one decode rank, so every rank hears of
+    every request (vLLM frees its blocks only once all ranks reported it)."""
     asked: Counter[int] = Counter()
+    told: Counter[int] = Counter()
     for d in range(decode_size):
-        (leg,) = legs(RankHeads(d, decode_size, 1), prefill_size, head_major=False)
-        assert (leg.prefill_rank, leg.whole, leg.count) == (d % prefill_size, True, 1)
+        rank = RankHeads(d, decode_size, 1)
+        (leg,) = legs(rank, prefill_size, head_major=False)
+        fan_in = len([x for x in range(decode_size) if x % prefill_size == d % prefill_size])
+        assert leg == Leg(d % prefill_size, 0, 0, 1, fan_in, True)  # whole blocks, head 0
         asked[leg.prefill_rank] += 1
-        assert leg.fan_in == len(
-            [x for x in range(decode_size) if x % prefill_size == d % prefill_size]
-        )
-    assert set(asked) == set(
-        range(prefill_size)
-    )  # every prefill rank is asked, once per decode rank
+        mine = spares(rank, prefill_size)
+        assert all(p % decode_size == d for p in mine)
+        told.update(mine)
+    assert set(asked) == set(range(min(prefill_size, decode_size)))
+    assert not set(asked) & set(told) and set(told.values()) <= {1}  # each told once
+    assert set(asked) | set(told) == set(range(prefill_size))
 
 
-def test_mla_refuses_a_prefill_larger_than_the_decode_naming_both_sizes() -> None:
-    with pytest.raises(ValueError, match=r"prefill tensor parallel size 4 and decode size 2 .*MLA"):
-        legs(RankHeads(0, 2, 1), 4, head_major=True)
+@pytest.mark.parametrize(
+    ("heads", "prefill_size", "decode_size"),
+    [(1, 2, 2), (1, 1, 4), (4, 4, 2), (8, 4, 1), (2, 4, 4)],
+)
+def test_only_mla_with_a_larger_prefill_has_spare_ranks(
+    heads: int, prefill_size: int, decode_size: int
+) -> None:
+    assert all(
+        spares(RankHeads(d, decode_size, heads), prefill_size) == [] for d in range(decode_size)
+    )
+    assert spares(RankHeads(1, 2, 1), 7) == [3, 5]

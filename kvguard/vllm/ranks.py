@@ -12,8 +12,12 @@ such rank, each writing the overlap into the same decode blocks.
 * prefill 1, decode 2: each decode rank has one leg to prefill rank 0, which
   is asked twice per request (``fan_in`` 2) and writes a half each time;
 * one latent head (MLA), replicated on every rank: decode rank r has one
-  leg, whole blocks from prefill rank ``r % prefill size`` (a prefill larger
-  than the decode is refused: its extra ranks would never be asked).
+  leg, whole blocks from prefill rank ``r % prefill size``. A prefill larger
+  than the decode holds the same blocks on ranks no decode rank loads from
+  (its *spares*, ``spares``): once a load is over, decode rank r tells
+  those congruent to it to let go rather than wait for the hold's deadline
+  (vLLM frees a request's blocks once every rank reported it); after a
+  refusal it does not (``LoadEnd.keeps_hold``).
 
 ``Pairing`` turns a decode load's ``Source`` (rank 0's endpoint, the
 prefill's size) into its legs, each with its prefill rank's endpoint
@@ -45,6 +49,7 @@ __all__ = [
     "block_slice",
     "legs",
     "rank_endpoint",
+    "spares",
 ]
 
 
@@ -128,15 +133,20 @@ def legs(decode: RankHeads, prefill_size: int, head_major: bool, layout: str = "
 def _latent_leg(decode: RankHeads, prefill_size: int) -> Leg:
     """MLA: decode rank r loads whole blocks from prefill rank ``r % prefill_size``
     alone (no block written twice), which every decode rank congruent to it asks."""
-    if prefill_size > decode.size:
-        raise ValueError(
-            f"prefill tensor parallel size {prefill_size} and decode size {decode.size} "
-            "differ: with one latent KV head (MLA) each decode rank loads from one "
-            f"prefill rank, and the prefill's ranks from {decode.size} on would hold "
-            "blocks that no decode rank asks for"
-        )
     p = decode.rank % prefill_size
     return Leg(p, 0, 0, 1, len(range(p, decode.size, prefill_size)), True)
+
+
+def spares(decode: RankHeads, prefill_size: int) -> list[int]:
+    """The prefill ranks that hold a load's blocks but are never asked for
+    them, which ``decode`` tells to let go: with one latent head (MLA), the
+    ranks of a prefill larger than the decode from ``decode.size`` on, each
+    told by the one decode rank congruent to it. None elsewhere: split heads
+    pair every prefill rank with some decode rank, and replicated heads pair
+    equal sizes only."""
+    if decode.heads != 1 or prefill_size <= decode.size:
+        return []
+    return list(range(decode.rank + decode.size, prefill_size, decode.size))
 
 
 def block_slice(
@@ -250,20 +260,36 @@ class Pairing:
     def urls(self, source: Source) -> list[str]:
         """The endpoints of the prefill ranks this rank loads ``source`` from
         (to renew it); see ``ranks_of``."""
-        return [url for url, _ in self.ranks_of(source)]
+        return [url for url, _ in self._loaded(source)]
+
+    def spare_urls(self, source: Source) -> list[str]:
+        """The endpoints of the prefill ranks that hold ``source`` and that
+        this rank tells to let go, since no decode rank loads from them (``spares``)."""
+        if source.problem:
+            return []
+        ends = (_endpoint(source, p) for p in spares(self.me, source.tp_size))
+        return [url for url in ends if url is not None]
 
     def ranks_of(self, source: Source) -> list[tuple[str, int]]:
+        """(endpoint, fan-in) of each prefill rank this rank tells that a
+        request will never load ``source`` (a forget): those it would load
+        from, and its spares (fan-in 1: no other decode rank tells them)."""
+        return self._loaded(source) + [(url, 1) for url in self.spare_urls(source)]
+
+    def _loaded(self, source: Source) -> list[tuple[str, int]]:
         """(endpoint, fan-in) of each prefill rank this rank loads ``source``
-        from (to renew or forget it); none where the sizes cannot pair, and
-        none for a rank whose endpoint cannot be made (its load failed naming it)."""
+        from: none where the sizes cannot pair, and none for a rank whose
+        endpoint cannot be made (its load failed naming it)."""
         try:
             plan = self.legs(source)
         except ValueError:
             return []
-        out = []
-        for leg in plan:
-            try:
-                out.append((rank_endpoint(source.endpoint, leg.prefill_rank), leg.fan_in))
-            except ValueError:
-                continue
-        return out
+        ends = ((_endpoint(source, leg.prefill_rank), leg.fan_in) for leg in plan)
+        return [(url, fan_in) for url, fan_in in ends if url is not None]
+
+
+def _endpoint(source: Source, rank: int) -> str | None:
+    try:
+        return rank_endpoint(source.endpoint, rank)
+    except ValueError:
+        return None

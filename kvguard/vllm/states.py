@@ -76,6 +76,13 @@ class LoadEnd(enum.Enum):
         """What stats label a failure with: "" for a load that loaded."""
         return "" if self is LoadEnd.LOADED else self.value
 
+    @property
+    def keeps_hold(self) -> bool:
+        """A refusal before any transfer: the prefill (if it heard the push
+        at all) keeps the request held for another decode, which the client
+        may send it to. Any other end settled this load's share of the hold."""
+        return self in _KEEPS_HOLD
+
     @classmethod
     def of_result(cls, ok: bool, reason: str) -> LoadEnd:
         """A prefill's ``Result`` (untrusted): LOADED only when ``ok``; a
@@ -92,6 +99,15 @@ class LoadEnd(enum.Enum):
 
 
 _BY_VALUE: Final = {e.value: e for e in LoadEnd}
+_KEEPS_HOLD: Final = frozenset(
+    {
+        LoadEnd.REFUSED,
+        LoadEnd.INCOMPATIBLE,
+        LoadEnd.BAD_REQUEST,
+        LoadEnd.BAD_ENDPOINT,
+        LoadEnd.DENIED,
+    }
+)
 _BY_FAILURE: Final = {r: LoadEnd(r.value) for r in FailureReason}  # each has its member
 
 

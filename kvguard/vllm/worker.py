@@ -106,6 +106,9 @@ class KVGuardWorker:
         # decode: blocks of failed loads still written, for vLLM's invalid-block
         # path (see get_transfer_results)
         self._invalid: set[int] = set()
+        # decode, MLA: loads whose prefill holds them on ranks no decode rank
+        # loads from -> (those ranks' endpoints, the prefill's request, group)
+        self._spares: dict[str, tuple[list[str], str, int]] = {}
         self._stats: WorkerStats | None = None
 
     # -- start -----------------------------------------------------------------
@@ -255,7 +258,8 @@ class KVGuardWorker:
 
     def _expect(self, receiver: DecodeReceiver, load: LoadMeta) -> None:
         """One load, forward: its legs (``ranks``), their request (``decode_legs``),
-        each leg asked (``decode_loads``)."""
+        each leg asked (``decode_loads``); the prefill's spare ranks are
+        told to let go once it ends (``_let_go``)."""
         try:
             asks = self._pairing.asks(load.request_id, load.source)
         except BadEndpoint as exc:
@@ -270,6 +274,9 @@ class KVGuardWorker:
         for a in asks:
             group = load.group * a.fan_in
             receiver.expect(a.leg_id, a.url, remote, load.block_ids, load.deadline, group, a.part)
+        spare = self._pairing.spare_urls(load.source)  # MLA: ranks no one loads from
+        if spare:
+            self._spares[load.request_id] = (spare, remote, load.group)
 
     def _refuse(self, load: LoadMeta, end: LoadEnd, why: str) -> None:
         """A load that cannot start: failed at once, nothing was asked."""
@@ -313,11 +320,23 @@ class KVGuardWorker:
                     self._invalid.update(v.blocks)
                     continue
                 results.finished_recving.add(v.request_id)
+                self._let_go(self.receiver, v)
                 if v.outcome.ok:
                     self.on_loaded(v.request_id, v.blocks)
                 else:
                     results.failed_recving.add(v.request_id)
         return results
+
+    def _let_go(self, receiver: DecodeReceiver, v: Verdict) -> None:
+        """``v``'s load is over: the prefill's spare ranks may let go of it,
+        as its rank loaded from did, unless that rank keeps it for another
+        decode (a refusal), which may load from them (another TP size)."""
+        spare = self._spares.pop(v.request_id, None)
+        if spare is None or v.outcome.end.keeps_hold:
+            return
+        urls, remote, group = spare
+        for url in urls:
+            receiver.forget(url, remote, group)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

@@ -4,6 +4,7 @@ makes of each layout vLLM may resolve anyway (views from vLLM's own
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,9 +12,13 @@ import pytest
 import torch
 
 import kvguard.vllm.worker as worker_module
+from kvguard.vllm.actions import LoadOutcome
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.kv_views import LayoutError, describe
+from kvguard.vllm.metadata import ForgetMeta, KVGuardMetadata, LoadMeta, Source
+from kvguard.vllm.ranks import Pairing, RankHeads
 from kvguard.vllm.settings import Settings
+from kvguard.vllm.states import LoadEnd
 from kvguard.vllm.worker import KVGuardWorker
 from tests.layout_helpers import LAYOUTS
 from tests.mooncake_helpers import requires_mooncake
@@ -105,3 +110,62 @@ def test_hybrid_models_are_refused_at_start_naming_each_group() -> None:
         with pytest.raises(LayoutError, match=match):
             w.register_kv_caches({})
         assert w.backend is None  # refused before any engine started
+
+
+class _Receiver:
+    """What the worker asks of its ``DecodeReceiver``, recorded; outcomes fed by the test."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.finished: list[LoadOutcome] = []
+
+    def expect(self, *args: Any) -> None:
+        self.calls.append(("expect", *args))
+
+    def forget(self, *args: Any) -> None:
+        self.calls.append(("forget", *args))
+
+    def take_finished(self) -> list[LoadOutcome]:
+        out, self.finished = self.finished, []
+        return out
+
+    def take_released(self) -> list[str]:
+        return []
+
+
+def test_an_mla_decode_rank_tells_the_prefills_spare_ranks_once_its_load_is_over() -> None:
+    """MLA, prefill TP 4, decode TP 2: decode rank 1 loads from prefill rank 1
+    alone and, once the load is over, tells rank 3 (which holds the same
+    blocks) to let go; after a refusal it does not (the prefill keeps the
+    request for another decode, which may load from rank 3)."""
+    w = KVGuardWorker(_config("LBHNC", 2, mla=True), Settings.of({}), producer=False)
+    w.rank = RankHeads(1, 2, 1)
+    w._pairing = Pairing(w.rank, head_major=False)
+    fake = _Receiver()
+    w.receiver = fake  # type: ignore[assignment]
+    ep, due = "tcp://127.0.0.1:17600", time.monotonic() + 10
+
+    def load(rid: str, src: str, group: int = 1) -> LoadMeta:
+        return LoadMeta(rid, [3, 4], Source(ep, src, 4), due, group)
+
+    w.bind(KVGuardMetadata(loads=[load("d1", "p1", 2), load("d2", "p2")]))
+    assert fake.calls == [
+        ("expect", "d1", "tcp://127.0.0.1:17601", "p1", [3, 4], due, 2, None),
+        ("expect", "d2", "tcp://127.0.0.1:17601", "p2", [3, 4], due, 1, None),
+    ]  # nothing told before a load is over
+    fake.calls.clear()
+    fake.finished = [
+        LoadOutcome("d1", LoadEnd.LOADED, "", 0.1),
+        LoadOutcome("d2", LoadEnd.REFUSED, "no room", 0.1),
+    ]
+    results = w.get_transfer_results(set())
+    assert (results.finished_recving, results.failed_recving) == ({"d1", "d2"}, {"d2"})
+    assert fake.calls == [("forget", "tcp://127.0.0.1:17603", "p1", 2)]
+    fake.calls.clear()
+    # A decode request that will never load tells every rank holding it.
+    w.bind(KVGuardMetadata(forgets=[ForgetMeta(Source(ep, "p3", 4), 2)]))
+    assert fake.calls == [
+        ("forget", "tcp://127.0.0.1:17601", "p3", 2),
+        ("forget", "tcp://127.0.0.1:17603", "p3", 2),
+    ]
+    assert w._spares == {}  # each load's spares told once, then dropped
