@@ -37,7 +37,7 @@ from transfer import (
 )
 from transfer.mooncake import MooncakeBackend
 
-__all__ = ["main", "run"]
+__all__ = ["compare", "main", "raw_write", "run", "through"]
 
 # 2 layers x K/V = 4 buffers x 4096 blocks x 4 KiB = 64 MiB a side.
 LAYOUT = KVLayout(num_layers=2, num_blocks=4096, block_bytes=4096)
@@ -54,7 +54,7 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _raw(backend: MooncakeBackend, plan: TransferPlan) -> Callable[[], None]:
+def raw_write(backend: MooncakeBackend, plan: TransferPlan) -> Callable[[], None]:
     """The baseline: the same entries, straight into the engine, every code checked."""
     write = backend.engine.batch_transfer_sync_write
     peer = plan.peer
@@ -69,14 +69,14 @@ def _raw(backend: MooncakeBackend, plan: TransferPlan) -> Callable[[], None]:
     return go
 
 
-def _through(backend: MooncakeBackend, plan: TransferPlan) -> Callable[[], None]:
+def through(backend: MooncakeBackend, plan: TransferPlan) -> Callable[[], None]:
     def go() -> None:
         backend.submit(plan).result(timeout=WAIT_S)
 
     return go
 
 
-def _compare(
+def compare(
     base: Callable[[], None], other: Callable[[], None], reps: int
 ) -> tuple[float, float, float]:
     """(median s of base, median s of other, median of per-rep base/other ratios).
@@ -117,7 +117,7 @@ def _bench_data_path(backend: MooncakeBackend, src: KVCache, quick: bool) -> dic
         backend.add_peer(peer.peer)
         blocks = list(range(LAYOUT.num_blocks))
         plan = build_plan(src, peer.peer, blocks, blocks)
-        raw_s, ours_s, ratio = _compare(_raw(backend, plan), _through(backend, plan), reps)
+        raw_s, ours_s, ratio = compare(raw_write(backend, plan), through(backend, plan), reps)
         gb = plan.nbytes / 1e9
         out["transfer_64mib"] = {
             "bytes": plan.nbytes,
@@ -128,7 +128,7 @@ def _bench_data_path(backend: MooncakeBackend, src: KVCache, quick: bool) -> dic
             "ratio": ratio,  # kvguard throughput / raw throughput, median of paired reps
         }
         one = build_plan(src, peer.peer, [0], [0])
-        raw_s, ours_s, _ = _compare(_raw(backend, one), _through(backend, one), reps * 20)
+        raw_s, ours_s, _ = compare(raw_write(backend, one), through(backend, one), reps * 20)
         out["per_op_latency_4kib_blocks"] = {
             "raw_us": raw_s * 1e6,
             "kvguard_us": ours_s * 1e6,
@@ -141,8 +141,8 @@ def _bench_data_path(backend: MooncakeBackend, src: KVCache, quick: bool) -> dic
         )
         naive = plan_entries_naive(src, peer.peer, s, d)
         frag_reps = 3 if quick else 7
-        naive_s, coalesced_s, _ = _compare(
-            _through(backend, naive), _through(backend, coalesced), frag_reps
+        naive_s, coalesced_s, _ = compare(
+            through(backend, naive), through(backend, coalesced), frag_reps
         )
         out["fragmented_4096_blocks"] = {
             "bytes": naive.nbytes,

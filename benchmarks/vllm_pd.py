@@ -1,15 +1,18 @@
 """kvguard's connector against vLLM's own, in real OpenAI servers, at realistic KV sizes.
 
     python -m benchmarks.vllm_pd [--quick] [--connectors kvguard,mooncake,nixl]
-                                 [--concurrency 1,8,32] [--out DIR]
+                                 [--concurrency 1,8,32] [--runs 3] [--out DIR]
     kvguard bench --vllm [...]   # the same; re-executed with .venv-vllm's python
 
 For each connector, one prefill and one decode vLLM OpenAI server
 (``vllm.entrypoints.openai.api_server``, default multiprocessing) serve a
 generated Llama checkpoint with 32 KiB of KV per token
 (``tests.vllm.checkpoint.BENCH``); an HTTP client sends prompts of 1K-2K
-random tokens in closed loops of 1, 8 and 32 concurrent requests. The same
-run also measures:
+random tokens in closed loops of 1, 8 and 32 concurrent requests. Each
+connector runs ``--runs`` times (3), the connectors interleaved so that
+host load falls on each alike, and each figure is the median of the runs'
+(each run's value beside it; ``benchmarks.vllm_pd_runs``). The same
+invocation also measures:
 
 * the aggregated baseline: one server, no connector, the same prompts
   prefilled locally;
@@ -95,10 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--connectors", default=",".join(CONNECTORS))
+    parser.add_argument("--connectors", default="", help=f"default: {','.join(CONNECTORS)}")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests", default="", help="per level, e.g. 8,32,64 (default)")
-    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 4 requests each")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="runs per connector, interleaved (default 3)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="one run, concurrency 1 and 4, 4 requests each"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / ".venv-vllm" / "vllm-pd")
     parser.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -109,6 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(connectors) - set(CONNECTORS))
     if unknown:
         parser.error(f"unknown connectors {unknown}; known: {', '.join(CONNECTORS)}")
+    if not connectors:
+        connectors = list(CONNECTORS)
+        if importlib.util.find_spec("nixl") is None:  # its wheels: Linux x86-64/aarch64 only
+            print("nixl is not installed here (scripts/vllm-env.sh installs it): not compared")
+            connectors.remove("nixl")
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, not {args.runs}")
+    runs = 1 if args.quick else args.runs
     concurrencies = [1, 4] if args.quick else [int(c) for c in args.concurrency.split(",")]
     if args.requests:
         counts = [int(n) for n in args.requests.split(",")]
@@ -124,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT))
     from .vllm_pd_run import run
 
-    result = run(connectors, concurrencies, requests, args.out, log=lambda s: print(s, flush=True))
+    result = run(
+        connectors, concurrencies, requests, args.out, log=lambda s: print(s, flush=True), runs=runs
+    )
     if args.json is not None:
         shutil.copyfile(args.out / "vllm_pd.json", args.json)
     failed = [n for n, d in result["connectors"].items() if "error" in d]

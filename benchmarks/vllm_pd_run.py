@@ -1,10 +1,11 @@
-"""One vLLM PD benchmark run: each connector's servers driven level by level, then the figures.
+"""One vLLM PD benchmark invocation: each connector's runs, interleaved, then the figures.
 
 ``run`` generates the benchmark checkpoint, measures the engine's limit
-(before and after the servers), then for each connector starts its servers
-(and ``kvguard proxy`` where it fits), warms them up and drives each
-concurrency level, summing up what the client saw and the servers recorded;
-it writes ``vllm_pd.json`` and the plot ``vllm_pd.png``.
+(before and after the servers), then, run after run in ``vllm_pd_runs.order``,
+starts each connector's servers (and ``kvguard proxy`` where it fits), warms
+them up and drives each concurrency level, summing up what the client saw
+and the servers recorded; ``merge_runs`` takes each level's median over the
+runs. It writes ``vllm_pd.json`` and the plot ``vllm_pd.png``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from .machine import describe_machine
 from .vllm_pd_client import MAX_TOKENS, PROMPT_TOKENS, Client, drive, prompts
 from .vllm_pd_figures import goals, hook_delta, hook_totals, plot, summarize
 from .vllm_pd_limit import backend_limit
+from .vllm_pd_runs import HEADLINE, combine, order
 from .vllm_pd_servers import BLOCK_SIZE, MODEL_DIR, Ports, mooncake_extra, proxy, server
 
-__all__ = ["measure_connector", "run"]
+__all__ = ["measure_connector", "merge_runs", "run"]
 
 
 def measure_connector(
@@ -104,6 +106,22 @@ def measure_connector(
     return result
 
 
+def merge_runs(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A connector's figures over its runs: each level's median row
+    (``vllm_pd_runs.combine``), the runs themselves, and any run's error."""
+    ok = [d for d in done if "error" not in d]
+    levels = sorted({c for d in ok for c in d["levels"]}, key=int)
+    merged: dict[str, Any] = {
+        "levels": {c: combine([d["levels"][c] for d in ok if c in d["levels"]]) for c in levels},
+        "runs": [{k: v for k, v in d.items() if k != "outputs"} for d in done],
+        "seconds": round(sum(d["seconds"] for d in done), 1),
+    }
+    errors = [d["error"] for d in done if "error" in d]
+    if errors:  # the table still has what the other runs measured
+        merged["error"] = f"{len(errors)} of {len(done)} runs failed; the first: {errors[0]}"
+    return merged
+
+
 def run(
     connectors: Sequence[str],
     concurrencies: Sequence[int],
@@ -111,6 +129,7 @@ def run(
     out: Path,
     ports: Ports | None = None,
     log: Callable[[str], None] = print,
+    runs: int = 3,
 ) -> dict[str, Any]:
     ports = ports or Ports()
     out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +149,7 @@ def run(
         "prompt_tokens": list(PROMPT_TOKENS),
         "max_tokens": MAX_TOKENS,
         "levels": {str(c): n for c, n in levels},
+        "runs": runs,
         "connectors": {},
     }
     log("== kvguard's MooncakeBackend alone, two processes, the same per-request KV")
@@ -139,32 +159,42 @@ def run(
             f"   backend c={c:<3} {row['kv_gbps']} GB/s over busy time, median transfer "
             f"{row['kv_gbps_median_transfer']} GB/s"
         )
-    for connector in connectors:
-        log(f"== {connector}")
+    per: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
+    for r, connector in order(connectors, runs):
+        log(f"== {connector}, run {r + 1} of {runs}")
         t0 = time.monotonic()
         try:
-            result["connectors"][connector] = measure_connector(
-                connector, levels, prompt_set, out, ports, log
-            )
+            data = measure_connector(connector, levels, prompt_set, out, ports, log)
         except Exception as exc:
             log(f"   {connector} FAILED: {exc}")
-            result["connectors"][connector] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        result["connectors"][connector]["seconds"] = round(time.monotonic() - t0, 1)
+            data = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        data["seconds"] = round(time.monotonic() - t0, 1)
+        per[connector].append(data)
+    for connector, done in per.items():
+        result["connectors"][connector] = merge_runs(done)
     log("== kvguard's MooncakeBackend alone again, after the servers")
     result["backend_limit_after"] = backend_limit(sizes[: max(n for _, n in levels)], concurrencies)
     for c, row in result["backend_limit_after"].items():
         log(f"   backend c={c:<3} {row['kv_gbps']} GB/s over busy time")
-    # Same prompts, greedy: PD output equals the aggregated server's.
-    ref = result["connectors"].get("aggregated", {}).get("outputs", {})
-    for name, data in result["connectors"].items():
-        outs = data.get("outputs", {})
-        if name != "aggregated" and ref and outs:
-            both = [k for k in outs if k in ref and outs[k] and ref[k]]
-            data["outputs_equal_aggregated"] = f"{sum(outs[k] == ref[k] for k in both)}/{len(both)}"
+    # Same prompts, greedy: PD output equals the aggregated server's, run by run.
+    refs = [d.get("outputs", {}) for d in per.get("aggregated", [])]
+    ref: dict[str, str] = next((o for o in refs if o), {})
+    for name, done in per.items():
+        if name == "aggregated" or not ref:
+            continue
+        both = [(o[k], ref[k]) for d in done for o in [d.get("outputs", {})] for k in o if k in ref]
+        both = [(a, b) for a, b in both if a and b]
+        equal = sum(a == b for a, b in both)
+        result["connectors"][name]["outputs_equal_aggregated"] = f"{equal}/{len(both)}"
     result["goals"] = goals(result)
+    log(f"== each level's median over {runs} runs [the runs' values]")
+    for name, data in result["connectors"].items():
+        for c, row in data["levels"].items():
+            cells = "  ".join(
+                f"{k.removesuffix('_ms')} {row[k]} {row[k + '_runs']}" for k in HEADLINE if k in row
+            )
+            log(f"   {name:<18} c={c:<3} errors={row['errors']:<3} {cells}")
     result["uptime_after"] = Path("/proc/loadavg").read_text().strip()
-    for data in result["connectors"].values():
-        data.pop("outputs", None)
     (out / "vllm_pd.json").write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out / 'vllm_pd.json'}")
     plot(result, out / "vllm_pd.png")  # matplotlib: checked before any server started

@@ -13,6 +13,8 @@ import torch
 
 from benchmarks.machine import describe_machine
 from benchmarks.vllm_pd_figures import percentile, union_seconds
+from benchmarks.vllm_pd_run import merge_runs
+from benchmarks.vllm_pd_runs import combine, order
 from tests.vllm.checkpoint import BENCH, TINY, kv_bytes_per_token
 from tests.vllm.sessions import session_alive, session_cpu_seconds
 
@@ -34,6 +36,52 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # few samples: p99 is the max
     assert percentile([7.0], 50) == 7.0
     assert math.isnan(percentile([], 50))
+
+
+def test_runs_interleave_so_each_connector_takes_every_place_in_a_round() -> None:
+    got = order(["a", "b", "c"], 3)
+    assert got == [
+        (0, "a"), (0, "b"), (0, "c"),
+        (1, "b"), (1, "c"), (1, "a"),
+        (2, "c"), (2, "a"), (2, "b"),
+    ]  # fmt: skip
+    for name in "abc":  # first, middle and last once each
+        assert sorted(i % 3 for i, (_, c) in enumerate(got) if c == name) == [0, 1, 2]
+    assert order(["a", "b"], 1) == [(0, "a"), (0, "b")]
+
+
+def test_a_level_is_the_median_of_its_runs_with_counts_summed_and_runs_kept() -> None:
+    rows = [
+        {"requests": 8, "errors": 0, "handover_p50_ms": 100.0, "handover_p99_ms": 300.0,
+         "kv_gbps": None, "error_sample": "", "cpu_s": {"p": 1.0},
+         "phases_ms": {"report": {"p50": 2.0}}},
+        {"requests": 8, "errors": 1, "handover_p50_ms": 140.0, "handover_p99_ms": float("nan"),
+         "kv_gbps": 0.5, "error_sample": "HTTP 504", "cpu_s": {"p": 3.0},
+         "phases_ms": {"report": {"p50": 30.0}}},
+        {"requests": 8, "errors": 0, "handover_p50_ms": 90.0, "handover_p99_ms": 200.0,
+         "kv_gbps": 0.7, "error_sample": "", "cpu_s": {"p": 2.0},
+         "phases_ms": {"report": {"p50": 3.0}}},
+    ]  # fmt: skip
+    row = combine(rows)
+    assert (row["requests"], row["errors"], row["runs"]) == (24, 1, 3)
+    assert row["handover_p50_ms"] == 100.0  # the median run, not the mean (110)
+    assert row["handover_p99_ms"] == 250.0  # a run with no figure does not count
+    assert row["handover_p50_ms_runs"] == [100.0, 140.0, 90.0]
+    assert row["kv_gbps"] == 0.6 and row["error_sample"] == "HTTP 504"
+    assert row["cpu_s"] == {"p": 2.0} and row["phases_ms"] == {"report": {"p50": 3.0}}
+    assert combine([{"kv_gbps": None}])["kv_gbps"] is None
+    with pytest.raises(ValueError, match="at least one"):
+        combine([])
+
+
+def test_a_failed_run_is_named_and_the_others_still_make_the_table() -> None:
+    good = {"levels": {"1": {"requests": 4, "handover_p50_ms": 10.0}}, "seconds": 5.0}
+    bad = {"error": "RuntimeError: warm-up failed", "seconds": 1.0}
+    merged = merge_runs([good, bad, {**good, "outputs": {"0": "x"}}])
+    assert merged["levels"]["1"]["requests"] == 8 and merged["levels"]["1"]["runs"] == 2
+    assert merged["error"] == "1 of 3 runs failed; the first: RuntimeError: warm-up failed"
+    assert merged["seconds"] == 11.0 and all("outputs" not in r for r in merged["runs"])
+    assert "error" not in merge_runs([good])
 
 
 def test_the_benchmark_checkpoint_moves_32_kib_of_kv_per_token() -> None:

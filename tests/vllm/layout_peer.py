@@ -4,7 +4,8 @@ rank holding them in another process (``python -m tests.vllm.layout_peer``).
 ``vllm_views`` allocates as vLLM 0.32's ``get_kv_cache_config_from_groups``
 and ``allocate_kv_cache`` do for one KV cache group: the strides of the
 resolved layout (``compute_layout_strides``), padded pages, kernel blocks,
-MLA's one latent head. The child answers JSON lines on stdin:
+MLA's one latent head. ``Peer`` starts the child, whose argument is its
+buffer's size (``RAW_BYTES``), and asks it JSON lines on its stdin:
 
 * ``{"op": "setup", "views": {...}}``: new views (``vllm_views``' keywords)
   registered with its own Mooncake engine -> ``{"peer": <peer message, hex>}``;
@@ -17,8 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import select
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +38,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvguard.vllm.kv_views import KVGeometry, describe
 
-RAW_BYTES = 4 << 20  # the child's buffer: enough for every test's views
+RAW_BYTES = 4 << 20  # the child's buffer (its argument): enough for every test's views
+ROOT = Path(__file__).resolve().parents[2]
+WAIT = 30.0  # for a reply
 
 
 def vllm_views(
@@ -104,13 +111,52 @@ def kernel_of(views: Sequence[torch.Tensor], blocks: int) -> int:
     return int(views[0].shape[0]) // blocks
 
 
+class Peer:
+    """A ``tests.vllm.layout_peer`` child: one decode rank in another process."""
+
+    def __init__(self, raw_bytes: int = RAW_BYTES) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.layout_peer", str(raw_bytes)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.session_id = str(self._read(120.0)["ready"])
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        out = self.proc.stdout
+        assert out is not None
+        while True:  # vLLM may log to stdout: replies are the JSON lines
+            ready, _, _ = select.select([out], [], [], timeout)
+            assert ready, f"layout peer pid {self.proc.pid} said nothing in {timeout}s"
+            line = out.readline()
+            assert line, f"layout peer pid {self.proc.pid} exited {self.proc.poll()}"
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(WAIT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> None:
     from transfer.mooncake import MooncakeBackend
     from transfer.peer_protocol import peer_info_to_message
 
     backend = MooncakeBackend(transfer_timeout_s=5)
     # One allocation for every setup: the engine registers the same memory each time.
-    raw = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    raw = torch.zeros(int(sys.argv[1]) if len(sys.argv) > 1 else RAW_BYTES, dtype=torch.int8)
     held: tuple[KVGeometry, Any, list[torch.Tensor]] | None = None
     print(json.dumps({"ready": backend.session_id}), flush=True)
     try:
