@@ -49,6 +49,7 @@ __all__ = [
     "first_done",
     "fresh",
     "idle_after",
+    "in_flight",
     "load_seconds",
     "references",
     "sampling",
@@ -193,6 +194,21 @@ async def first_done(tasks: Sequence[asyncio.Task[Outcome]], count: int) -> None
     """Return once ``count`` of ``tasks`` ended."""
     while sum(t.done() for t in tasks) < count:
         await asyncio.wait([t for t in tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED)
+
+
+async def in_flight(server: Server, tasks: Sequence[asyncio.Task[Outcome]]) -> None:
+    """Return once ``server`` has a request (loading its KV or generating)
+    while ``tasks`` are not all done: by the server's own count, not by which
+    replies this process has read. (Generating alone can be too short to
+    see: 14 requests of tiny-llama ended in CI before a poll saw one run.)"""
+    until = time.monotonic() + SETTLE_S
+    while True:
+        load = await asyncio.to_thread(server.load)
+        if load.running + load.waiting > 0:
+            return
+        assert not all(t.done() for t in tasks), f"{server.name} ended them all unseen: {tasks}"
+        assert time.monotonic() < until, f"{server.name} had none of the requests"
+        await asyncio.sleep(0.02)
 
 
 def assert_outcomes(

@@ -55,6 +55,11 @@ MODEL = Path(os.environ.get("KVGUARD_VLLM_MODEL", ROOT / ".venv-vllm" / "tiny-ll
 LOGS = ROOT / ".venv-vllm"
 BIN = Path(sys.executable).parent  # .venv-vllm/bin: python, kvguard
 START_S = 300.0  # a server's start on a loaded 2-core machine
+# A SIGKILLed server's exit as its parent sees it: the kernel takes each
+# process's memory back first (1 GiB of KV per worker). Killed sockets closed
+# up to 25 s late here, and a TP 2 prefill's API server was not reaped
+# within 30 s of its group's SIGKILL once (a vLLM run of this stop).
+REAP_S = 120.0
 # A "still serves" check asks for the longest deadline the servers allow
 # (kvguard_max_deadline_s): it checks that the decode serves, and must ride
 # out a slow step (docs/vllm.md, "Several servers on one small host").
@@ -255,7 +260,7 @@ class Server:
                 time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # by group id; ends a stopped one too
-        self.proc.wait(30)
+        self.proc.wait(REAP_S)
         self.proc = None
 
     def log_tail(self, lines: int = 40, grep: str = "") -> str:

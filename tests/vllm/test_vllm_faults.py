@@ -42,9 +42,9 @@ from tests.vllm.cluster import (
     assert_outcomes,
     decode_step,
     ended_as,
-    first_done,
     fresh,
     idle_after,
+    in_flight,
     references,
     settle,
     spread,
@@ -240,13 +240,16 @@ def test_client_disconnect_mid_load_leaves_decode_idle(cluster: Cluster) -> None
 
 
 def test_decode_sigkill_mid_run_returns_prefill_blocks(cluster: Cluster) -> None:
-    """32 prompts prefilled, 16 asked of the decode, SIGKILL after 2 ended, then 16 more asked."""
+    """32 prompts prefilled; 2 asked of the decode and ended, 14 more asked
+    and SIGKILL once the decode has one (loading or generating), then 16
+    more asked."""
     c = cluster
     prompts = prompts_of(32, seed=2)
     tokens = spread_tokens(32)
-    # Two one-token requests end first; the 14 others asked run as long as
-    # --max-model-len allows, so the kill right after those two always finds
-    # requests in flight (with 8..35 tokens all 16 once ended before it).
+    # The 14 asked with the kill run as long as --max-model-len allows, so
+    # the kill, once the decode has one, finds them in flight. (Killed after
+    # two one-token requests ended, as before, it found none in one run: a
+    # slow load can end a one-token request after the long ones.)
     tokens[:16] = [1, 1] + [128 - len(p) for p in prompts[2:16]]
     want = references(c, c.fail, prompts, tokens)
     fresh(c.prefill, c.fail)
@@ -258,14 +261,17 @@ def test_decode_sigkill_mid_run_returns_prefill_blocks(cluster: Cluster) -> None
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
             # The hold the prefill applied, as it tells the decode.
             hold = max(float(kv["kvguard_hold_s"]) for _, kv in steps if kv)
+            asked = list(zip(prompts[:16], tokens[:16], steps[:16], strict=True))
+            first = (decode_step(http, c.fail, p, m, kv) for p, m, (_, kv) in asked[:2])
+            outs = list(await asyncio.gather(*first))
             tasks = [
                 asyncio.create_task(decode_step(http, c.fail, p, m, kv))
-                for p, m, (_, kv) in zip(prompts[:16], tokens[:16], steps[:16], strict=True)
+                for p, m, (_, kv) in asked[2:]
             ]
-            await first_done(tasks, 2)
+            await in_flight(c.fail, tasks)
             c.fail.signal(signal.SIGKILL)
             t_kill = time.monotonic()
-            outs = list(await asyncio.gather(*tasks))
+            outs += await asyncio.gather(*tasks)
             await asyncio.to_thread(c.fail.wait_gone, SETTLE_S)
             # New connections: a pooled one to the dead server resets on
             # write, which says nothing about a server that is gone.
@@ -288,7 +294,8 @@ def test_decode_sigkill_mid_run_returns_prefill_blocks(cluster: Cluster) -> None
     row.note = f"prefill KV usage 0 within {back_s:.1f}s of the kill"
     c.rows.append(row)
     idle_after(c, row)
-    assert_outcomes(c, outs[:16], want[:16], {"disconnected"})
+    assert_outcomes(c, outs[:2], want[:2], set())
+    assert_outcomes(c, outs[2:16], want[2:16], {"disconnected"})
     assert_outcomes(c, outs[16:], want[16:], {"refused"})
     assert row.errors["disconnected"] > 0, "the kill ended no request in flight"
     assert row.errors["refused"] == 16, row
