@@ -126,11 +126,10 @@ _GLOG_LINE: Final = re.compile(
 def engine_stderr() -> Iterator[list[str]]:
     """Keep the engine's glog lines off the terminal while the block runs.
 
-    The engine writes them to file descriptor 2 from C++, so sys.stderr cannot
-    catch them: fd 2 points at a temporary file meanwhile, then back. Whatever
-    else was written there is written back; the glog lines are yielded to the
-    caller, which shows them where they explain (an engine that refused to
-    start). KVGUARD_ENGINE_LOG=1 leaves fd 2 alone.
+    The engine writes them to fd 2 from C++ (out of sys.stderr's reach): fd 2
+    points at a temporary file meanwhile; other writes there are put back, and
+    the glog lines go to the caller, to show where they explain (an engine
+    that refused to start). KVGUARD_ENGINE_LOG=1 leaves fd 2 alone.
     """
     glog: list[str] = []
     if os.environ.get(ENGINE_LOG_ENV, "") in ("1", "true", "yes"):
