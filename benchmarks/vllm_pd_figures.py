@@ -31,6 +31,7 @@ __all__ = [
     "hook_totals",
     "percentile",
     "plot",
+    "spread",
     "summarize",
     "union_seconds",
 ]
@@ -72,6 +73,17 @@ def union_seconds(intervals: Sequence[tuple[float, float]]) -> float:
 
 def _ms(x: float) -> float:
     return round(1000 * x, 2)
+
+
+def spread(seconds: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and mean in ms: means add up (a handover's mean is the sum of
+    its phases' means), percentiles do not."""
+    mean = statistics.mean(seconds) if seconds else math.nan
+    return {
+        "p50": _ms(percentile(seconds, 50)),
+        "p99": _ms(percentile(seconds, 99)),
+        "mean": _ms(mean),
+    }
 
 
 def read_jsonl(records: Path, kind: str, server: str) -> list[dict[str, Any]]:
@@ -173,6 +185,7 @@ def summarize(
         "handover_n": len(handover),
         "handover_p50_ms": _ms(percentile(handover, 50)),
         "handover_p99_ms": _ms(percentile(handover, 99)),
+        "handover_mean_ms": spread(handover)["mean"],
         "ttft_p50_ms": _ms(percentile(ttft, 50)),
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "wall_s": round(window[1] - window[0], 3),
@@ -192,6 +205,7 @@ def summarize(
         return row
     intervals: list[tuple[float, float]] = []
     rates: list[float] = []
+    took: list[float] = []  # each transfer's own seconds, in the engine
     nbytes = 0
     events = {s.name: read_jsonl(records, "events", s.name) for s in servers}
     if connector.startswith("kvguard"):
@@ -201,6 +215,7 @@ def summarize(
                 start = sub[e["request"]]["start"]
                 if a <= start <= b:
                     intervals.append((start, start + e["engine_s"]))
+                    took.append(e["engine_s"])
                     rates.append(e["nbytes"] / max(e["engine_s"], 1e-9))
                     nbytes += e["nbytes"]
     else:
@@ -208,6 +223,7 @@ def summarize(
             for e in events[srv.name]:
                 if e["kind"] == "xfer" and e["ok"] and a <= e["start"] <= b:
                     intervals.append((e["start"], e["t"]))
+                    took.append(e["t"] - e["start"])
                     rates.append(e["nbytes"] / max(e["t"] - e["start"], 1e-9))
                     nbytes += e["nbytes"]
     busy = union_seconds(intervals)
@@ -216,6 +232,7 @@ def summarize(
     row["kv_gbps"] = round(nbytes / busy / 1e9, 3) if busy else None
     row["kv_gbps_median_transfer"] = round(statistics.median(rates) / 1e9, 3) if rates else None
     row["kv_gbps_wall"] = round(nbytes / (b - a) / 1e9, 3)
+    row["transfer_ms"] = spread(took)
     gb = nbytes / 1e9
     for srv in servers:
         role = "prefill" if srv is servers[0] else "decode"
@@ -229,13 +246,7 @@ def summarize(
             if (p := kvguard_phases(events[servers[0].name], events[decode.name], r)) is not None
         ]
         row["phases_n"] = len(splits)
-        row["phases_ms"] = {
-            name: {
-                "p50": _ms(percentile([p[name] for p in splits], 50)),
-                "p99": _ms(percentile([p[name] for p in splits], 99)),
-            }
-            for name, _ in PHASES
-        }
+        row["phases_ms"] = {name: spread([p[name] for p in splits]) for name, _ in PHASES}
     return row
 
 

@@ -96,6 +96,7 @@ def measure_connector(
                 f"handover p50/p99 {row['handover_p50_ms']}/{row['handover_p99_ms']} ms  "
                 f"ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms  "
                 f"kv {row['kv_gbps']} GB/s"
+                + (f"  transfer p50 {row['transfer_ms']['p50']} ms" if "transfer_ms" in row else "")
             )
             result.setdefault("outputs", {}).update({str(s.index): s.output for s in sent})
     finally:

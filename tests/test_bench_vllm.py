@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
-from benchmarks.vllm_pd_figures import percentile, union_seconds
+from benchmarks.vllm_pd_figures import percentile, spread, union_seconds
 from benchmarks.vllm_pd_run import merge_runs
 from benchmarks.vllm_pd_runs import combine, order
 from tests.vllm.checkpoint import BENCH, TINY, kv_bytes_per_token
@@ -36,6 +36,15 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # few samples: p99 is the max
     assert percentile([7.0], 50) == 7.0
     assert math.isnan(percentile([], 50))
+
+
+def test_a_spread_gives_means_that_add_up_where_percentiles_do_not() -> None:
+    engine, report = [0.010, 0.020, 0.090], [0.030, 0.001, 0.002]
+    total = [a + b for a, b in zip(engine, report, strict=True)]
+    assert spread(engine) == {"p50": 20.0, "p99": 90.0, "mean": 40.0}
+    assert spread(total)["mean"] == spread(engine)["mean"] + spread(report)["mean"] == 51.0
+    assert spread(total)["p50"] == 40.0 != spread(engine)["p50"] + spread(report)["p50"]
+    assert math.isnan(spread([])["mean"])
 
 
 def test_runs_interleave_so_each_connector_takes_every_place_in_a_round() -> None:
