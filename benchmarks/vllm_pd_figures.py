@@ -177,15 +177,16 @@ def summarize(
         if s.first:
             client_handover.append(s.first - (s.decode_sent or s.start))
     ttft = [s.first - s.start for s in ok if s.first]
+    took_handover = spread(handover)
     row: dict[str, Any] = {
         "requests": len(sent),
         "errors": len(sent) - len(ok),
         "error_sample": next((s.error for s in sent if s.error), ""),
         "prompt_tokens_mean": round(statistics.mean(s.tokens_in for s in sent)),
         "handover_n": len(handover),
-        "handover_p50_ms": _ms(percentile(handover, 50)),
-        "handover_p99_ms": _ms(percentile(handover, 99)),
-        "handover_mean_ms": spread(handover)["mean"],
+        "handover_p50_ms": took_handover["p50"],
+        "handover_p99_ms": took_handover["p99"],
+        "handover_mean_ms": took_handover["mean"],
         "ttft_p50_ms": _ms(percentile(ttft, 50)),
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "wall_s": round(window[1] - window[0], 3),
