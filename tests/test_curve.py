@@ -92,14 +92,17 @@ def test_only_a_client_with_an_allowed_key_is_read(keys: Path) -> None:
     ok = ControlClient(
         server.endpoint, curve=ClientKeys.load(keys / "ok.key_secret", keys / "server.key")
     )
-    other = ControlClient(
-        server.endpoint, curve=ClientKeys.load(keys / "other.key_secret", keys / "server.key")
-    )
-    plain = ControlClient(server.endpoint)
+    strangers: list[ControlClient] = []
     try:
         assert ok.request(b"a", timeout=10.0) == b"pong:a"
         with capture_logs() as logs:
-            for client in (other, plain):
+            # Made under capture: a client dials (and is denied) as it is made.
+            other = ControlClient(
+                server.endpoint,
+                curve=ClientKeys.load(keys / "other.key_secret", keys / "server.key"),
+            )
+            strangers += [other, ControlClient(server.endpoint)]
+            for client in strangers:
                 # Never read: no reply, or, once ZeroMQ dropped the denied
                 # connection, nowhere to queue the request.
                 match = r"no reply from tcp://127\.0\.0\.1:|is not taking requests"
@@ -119,7 +122,7 @@ def test_only_a_client_with_an_allowed_key_is_read(keys: Path) -> None:
         ).public.decode("ascii")
         assert ok.request(b"b", timeout=10.0) == b"pong:b"  # the service goes on
     finally:
-        for client in (ok, other, plain):
+        for client in (ok, *strangers):
             client.close()
         stop.set()
         thread.join(5)
