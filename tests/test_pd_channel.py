@@ -517,7 +517,9 @@ def test_a_remade_link_that_cannot_even_dial_keeps_its_load_fenced(
         with capture_logs() as logs:
             receiver.expect("d1", gate.endpoint, "r1", [4, 5], time.monotonic() + 30)
             pair.until(lambda: "d1" in pair.outcomes)
-            assert len(opened) == 2 and _events(logs, "prefill_link_stalled")
+            # At least the re-made link: a host stall may let the next redial
+            # (1.2 s on) run before this line does.
+            assert len(opened) >= 2 and _events(logs, "prefill_link_stalled")
         out = pair.outcomes["d1"]
         assert (out.ok, out.reason, out.fenced) == (False, "peer_lost", True), out
         time.sleep(1.0)  # probes of the endpoint find the gate listening
