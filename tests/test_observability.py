@@ -97,6 +97,7 @@ class WatchedRun:
 
 
 REQUESTS = 60
+_OUTCOMES = ("done", "failed")  # the labels of kvguard_transfer_seconds
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +240,17 @@ def test_final_metrics_and_journal_match_the_summary(tmp_path: Path) -> None:
     for reason in FailureReason:
         got = sample("kvguard_transfers_total", {"outcome": "failed", "reason": reason.name})
         assert got == summary.by_reason.get(reason.name, 0), reason
-    ended = sum(
-        sample("kvguard_transfer_seconds_count", {"outcome": o}) or 0 for o in ("done", "failed")
-    )
-    assert ended == cfg.requests
+
+    def ended() -> float:
+        counts = (sample("kvguard_transfer_seconds_count", {"outcome": o}) for o in _OUTCOMES)
+        return sum(c or 0 for c in counts)
+
+    # The histogram's observer runs on the callback thread, which close()
+    # waits for only a second: a host stall can leave the last ones queued.
+    deadline = time.monotonic() + 10
+    while ended() < cfg.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ended() == cfg.requests
     bytes_per_request = cfg.layers * 2 * cfg.blocks_per_request * cfg.block_bytes
     assert sample("kvguard_transfer_bytes_total") == summary.done * bytes_per_request
     assert sample("kvguard_live_requests", {"state": "PENDING"}) == 0
@@ -348,6 +356,11 @@ def test_collector_on_a_caller_registry_and_server(
     register_metrics(sched, registry)
     with pytest.raises(ValueError, match="Duplicated"):
         register_metrics(sched, registry)  # one exporter per name and registry
+    # The histogram is fed on the callback thread, after wait() may return.
+    # Observers run in order, so once this later one saw "ok", the
+    # collector's has seen both "h3" and "ok".
+    observed_ok = threading.Event()
+    sched.add_observer(lambda fin: fin.request_id == "ok" and observed_ok.set())
     for rid, block in [("h1", 0), ("h2", 2), ("h3", 4)]:  # the three hang
         sched.submit(rid, [block], [block + 1], peer="d")
     deadline = time.monotonic() + 5
@@ -357,6 +370,7 @@ def test_collector_on_a_caller_registry_and_server(
     assert sched.abort("h3")
     sched.submit("ok", [6], [7], peer="d")
     assert sched.wait("ok", timeout=5) is S.DONE
+    assert observed_ok.wait(5)
     with serve_metrics(registry, 0) as server:
         assert server.url.startswith("http://127.0.0.1:")
         x = scrape(server.url)

@@ -734,6 +734,7 @@ def test_many_deadlines_fire_in_deadline_order_not_submit_order(make_rig: MakeRi
     for rid, dl in deadlines.items():
         assert got[rid].reason is FailureReason.TIMEOUT
         assert dl - 0.05 <= got[rid].latency_s <= dl + HANG_S, (rid, got[rid].latency_s)
+    assert wait_until(lambda: len(order) == 6)  # observers run on the callback thread
     assert order == sorted(deadlines, key=deadlines.__getitem__)
     assert time.monotonic() - t0 < 1.2 + HANG_S
 
@@ -817,7 +818,8 @@ def test_priority_orders_queued_requests_with_one_worker(make_rig: MakeRig) -> N
         rig.submit(rid, [i], [i], priority=p)
     assert all(state_of(rig, rid) is _S.PENDING for rid in prios)
     rig.sched.abort("blocker")
-    poll_until(rig, 1 + len(prios))
+    assert len(poll_until(rig, 1 + len(prios))) == 1 + len(prios)
+    assert wait_until(lambda: len(order) == 1 + len(prios))  # on the callback thread
     assert order == ["blocker", "high", "high2", "mid", "low", "low2", "neg"]
     assert rig.sched.drain(timeout=0.1) is False  # the blocker's hung call holds it
     rig.faults.release_hangs()
