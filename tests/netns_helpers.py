@@ -41,7 +41,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scheduler import MetricsSnapshot
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
 DRIVER = Path(__file__).resolve()
@@ -574,28 +577,43 @@ class _Driver:
             drained = self.sched.drain(float(msg["timeout"]))
             return {"drained": drained}
         if cmd == "records":
-            prefix = msg.get("prefix", "")
-            with self._lock:
-                recs = [r.to_json() for r in self._records.values() if r.rid.startswith(prefix)]
-            return {"records": recs}
+            return {"records": self._records_of(msg.get("prefix", ""))}
+        if cmd == "records_and_metrics":
+            # One moment's: no release ran between or during the two metrics
+            # reads around the records (a quiescence may end a quarantine).
+            end = time.monotonic() + float(msg["timeout"])
+            while True:
+                m = self.sched.metrics()
+                recs = self._records_of(msg.get("prefix", ""))
+                again = self.sched.metrics()
+                moved = (m.released, m.releasing) != (again.released, again.releasing)
+                if (not moved and again.releasing == 0) or time.monotonic() > end:
+                    return {"records": recs, "metrics": self._metrics_of(again)}
+                time.sleep(0.01)
         if cmd == "digests":
             return {"digests": block_digests(self.src, msg["blocks"])}
         if cmd == "peer_alive":
             return {"alive": self.sched.peer_alive(msg["peer"])}
         if cmd == "metrics":
-            m = self.sched.metrics()
-            return {
-                "done": m.done,
-                "failed_by_reason": m.failed_by_reason,
-                "live_by_state": m.live_by_state,
-                "quarantined": m.quarantined,
-                "released": m.released,
-                "released_before_quiesce": m.released_before_quiesce,
-                "double_releases": m.double_releases,
-                "peers_lost": m.peers_lost,
-                "backend_in_flight": self.backend.in_flight,
-            }
+            return self._metrics_of(self.sched.metrics())
         raise ValueError(f"unknown driver command {cmd!r}")
+
+    def _records_of(self, prefix: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [r.to_json() for r in self._records.values() if r.rid.startswith(prefix)]
+
+    def _metrics_of(self, m: MetricsSnapshot) -> dict[str, Any]:
+        return {
+            "done": m.done,
+            "failed_by_reason": m.failed_by_reason,
+            "live_by_state": m.live_by_state,
+            "quarantined": m.quarantined,
+            "released": m.released,
+            "released_before_quiesce": m.released_before_quiesce,
+            "double_releases": m.double_releases,
+            "peers_lost": m.peers_lost,
+            "backend_in_flight": self.backend.in_flight,
+        }
 
     def close(self) -> None:
         self._load_stop.set()

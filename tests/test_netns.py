@@ -147,8 +147,8 @@ def partition(pair: NetnsPair, request: pytest.FixtureRequest) -> Iterator[dict[
             time.sleep(DEADLINE_S + TOLERANCE_S)
             assert driver.request("stop_load")["error"] is None
             out["terminal"] = driver.request("wait_terminal", timeout=10.0)["terminal"]
-            out["records"] = driver.request("records", prefix="cut-")["records"]
-            out["metrics_cut"] = driver.request("metrics")
+            both = driver.request("records_and_metrics", prefix="cut-", timeout=10.0)
+            out["records"], out["metrics_cut"] = both["records"], both["metrics"]
         finally:
             restored = time.monotonic()
             pair.set_link(True, side)

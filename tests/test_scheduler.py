@@ -221,7 +221,11 @@ class Rig:
             return self.release_count[rid]
 
     def wait_released(self, rid: str, timeout: float = WAIT) -> bool:
-        return wait_until(lambda: self.released(rid) >= 1, timeout)
+        """Our callback ran and the scheduler freed the id (it does so after)."""
+        return wait_until(lambda: self.released(rid) >= 1 and not self.holds(rid), timeout)
+
+    def holds(self, rid: str) -> bool:
+        return any(r.request_id == rid for r in self.sched._table.requests())
 
     def intact(self, srcs: Sequence[int], dsts: Sequence[int]) -> list[int]:
         return self.src.blocks_equal(self.dst, srcs, dsts)
@@ -395,6 +399,7 @@ def test_abort_fails_aborted_once_and_unknown_id_is_typed(make_rig: MakeRig) -> 
     with pytest.raises(UnknownRequest, match="'ghost'"):
         rig.sched.abort("ghost")
     # The hung op may still write: no release until it returns (I6).
+    assert wait_until(lambda: rig.sched.metrics().quarantined == 1)  # the driver's step
     time.sleep(0.2)
     assert rig.released("r") == 0
     assert rig.sched.metrics().quarantined == 1
@@ -922,8 +927,9 @@ def test_metrics_snapshot_counts_outcomes_live_and_quarantined(make_rig: MakeRig
     assert wait_until(lambda: state_of(rig, "live") is _S.TRANSFERRING)
     rig.backend.errors.append(TransferError("boom"))
     assert rig.submit("err", [6], [6]).wait(WAIT) is _S.FAILED
-    assert wait_until(lambda: rig.released("err") == 1)
-    time.sleep(0.1)
+    assert rig.wait_released("err")
+    assert wait_until(lambda: rig.sched.metrics().released == 3)
+    assert wait_until(lambda: rig.sched.metrics().oldest_live_age_s >= 0.1)  # "live" ages
     m = rig.sched.metrics()
     assert m.done == 2 and m.bytes_done == 2 * nbytes
     assert m.failed_by_reason == {"TIMEOUT": 1, "TRANSFER_ERROR": 1}
@@ -974,8 +980,10 @@ def test_close_fails_live_requests_with_shutdown_and_returns(make_rig: MakeRig) 
     assert time.monotonic() - t0 < 0.3 + HANG_S
     for lc in (hung, *queued):
         assert lc.state is _S.FAILED and lc.reason is FailureReason.SHUTDOWN
-    assert sorted(f.request_id for f in rig.sched.poll()) == ["hung", "q1", "q2"]
+    # close() waited a second for the driver and the callbacks: a host stall beats that.
+    assert sorted(f.request_id for f in poll_until(rig, 3)) == ["hung", "q1", "q2"]
     # Queued ones had no op: released. The hung one is never released early.
+    assert rig.wait_released("q1") and rig.wait_released("q2")
     assert rig.released("q1") == rig.released("q2") == 1
     assert rig.released("hung") == 0
     with pytest.raises(SchedulerClosed):
@@ -999,6 +1007,7 @@ def test_context_manager_closes(make_rig: MakeRig) -> None:
     with rig.sched as s:
         lc = s.submit("r", [0], [0], peer=PEER)
     assert lc.is_terminal
+    assert rig.wait_released("r")  # close(5.0)'s wait for it may run out on a stalled host
     assert rig.released("r") == 1
     with pytest.raises(SchedulerClosed):
         rig.sched.submit("r2", [0], [0], peer=PEER)

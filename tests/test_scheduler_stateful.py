@@ -395,6 +395,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return f"{queued} queued while only {hung} of {self.workers} slots hang"
         if self.sched.peer_alive(self.peer) != self.peer_alive:
             return f"the scheduler's peer_alive is not {self.peer_alive} yet"
+        # Our release callback returns before the scheduler frees the id.
+        releasing = self.sched.metrics().releasing
+        if releasing:
+            return f"{releasing} release(s) not yet done"
         return None
 
     # -- callbacks (scheduler threads) -------------------------------------------------

@@ -576,6 +576,7 @@ def test_servers_export_kvguards_figures_on_metrics(servers: tuple[Server, Serve
             and _sample(d, "vllm:kvguard_held_blocks") == 0
             and _sample(p, "vllm:kvguard_held_blocks") == 0
             and _sample(p, "vllm:kvguard_transfers_total", outcome="done") == 3
+            and _sample(p, "vllm:kvguard_transfer_seconds_count", outcome="done") == 3
         )
         if settled or time.monotonic() > end:
             break
