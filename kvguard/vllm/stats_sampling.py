@@ -85,8 +85,12 @@ class WorkerStats:
                 # From the first step on: a hold, hence a push, comes a step later.
                 sender.scheduler.add_observer(self._on_finished)
                 self._observed = sender
+            # The reading first: a push's observer runs before its hold is
+            # released, so a reading that shows the hold gone is followed
+            # by a drain that holds the push's time.
+            cur = PrefillSample.of(sender, self.block_bytes)
             times = [self._times.popleft() for _ in range(len(self._times))]
-            return self.prefill(PrefillSample.of(sender, self.block_bytes), times)
+            return self.prefill(cur, times)
         if receiver is not None:
             return self.decode(loads, receiver.recent_outcomes(), in_use, now)
         return None
