@@ -1,4 +1,5 @@
-"""Shared test configuration: hypothesis profiles, structlog capture, the skip policy."""
+"""Shared test configuration: hypothesis profiles, structlog capture, the skip
+policy, reruns over a host stall."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from hypothesis import HealthCheck, Phase, settings
 
 # --strict-skips (scripts/test.sh): a skip not on tests/skip_policy.py's list fails the run.
 from skip_policy import pytest_addoption, pytest_configure  # noqa: F401 -- pytest hooks
+
+# A failure under a host stall (a CPU that ran nothing) runs again; no other.
+from tests.stall_reruns import (  # noqa: F401 -- pytest hooks and a fixture
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+    stall_watch,
+)
 
 # CI: reproducible (derandomized), no per-example deadline (a loaded 2-core
 # machine makes timings meaningless), no example database on a fresh clone.

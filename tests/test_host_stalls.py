@@ -1,4 +1,4 @@
-"""The vLLM suite's host-stall evidence (tests/vllm/stalls.py): a CPU that
+"""The suite's host-stall evidence (tests/stalls.py): a CPU that
 runs nothing shows as a late wake of its monitor (a stopped monitor stands
 for it here), of that length, at that time."""
 
@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from tests.vllm.stalls import GAP_S, Stall, StallWatch
+from tests.stalls import GAP_S, Stall, StallWatch
 
 STOP_S = GAP_S + 1.0
 

@@ -15,17 +15,16 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.stall_reruns import monitor_pids
 from tests.vllm.cluster import SETTLE_S, Cluster, start_cluster
 from tests.vllm.report import TABLE_HEADER
 from tests.vllm.servers import LOGS
-from tests.vllm.stalls import HostStall, Stall, StallWatch
 
 REQUIRED = os.environ.get("KVGUARD_REQUIRE_VLLM") == "1"
 if REQUIRED:
@@ -53,50 +52,6 @@ _NOTABLE = re.compile(
 _PER_LOG = 24  # lines kept per server log and failed test
 _OFFSETS = pytest.StashKey[dict[Path, int]]()
 _seen: list[str] = []
-_watch: list[StallWatch] = []  # the session's, while it runs (tests/vllm/stalls.py)
-_stalls: list[Stall] = []  # what it saw, once the session ended
-
-
-@pytest.fixture(scope="session", autouse=True)
-def stall_watch() -> Iterator[StallWatch]:
-    """One monitor per CPU for the whole session: what tells a host stall."""
-    watch = StallWatch(LOGS / "stalls.log")
-    _watch.append(watch)
-    try:
-        yield watch
-    finally:
-        _watch.remove(watch)
-        watch.close()
-        _stalls.extend(watch.stalls())
-
-
-# A test whose failure overlapped a host stall runs again, up to this many
-# times; no other failure does. The VM stalls in clusters (three of 26-59 s
-# in five minutes of the TP module, dmesg's "workqueue lockup"), so twice.
-RERUNS = 2
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in item.path.parents:
-            item.add_marker(pytest.mark.flaky(reruns=RERUNS, only_rerun=[HostStall.__name__]))
-
-
-def _blame_stall(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
-    """A failure during which a CPU ran nothing becomes ``HostStall``,
-    raised from it (the report shows both)."""
-    if call.excinfo is None or not _watch or call.excinfo.errisinstance(pytest.skip.Exception):
-        return
-    stalls = _watch[0].during(call.start, call.stop)
-    if not stalls:
-        return
-    what = "; ".join(f"{s}, {s.start - call.start:.1f} s into the {call.when}" for s in stalls)
-    _seen.append(f"{item.nodeid} ({call.when}): host stall: {what}")
-    try:
-        raise HostStall(f"the host stalled during this test: {what}") from call.excinfo.value
-    except HostStall:
-        call.excinfo = pytest.ExceptionInfo.from_current()
 
 
 def _log_sizes() -> dict[Path, int]:
@@ -111,8 +66,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    if call.when != "teardown":
-        _blame_stall(item, call)
     report = yield
     if report.failed and call.when != "teardown":
         start = item.stash.get(_OFFSETS, {})
@@ -145,7 +98,7 @@ def _stacks(test: str) -> list[str]:
     path = LOGS / f"stacks-{safe}.txt"
     summary = [f"  stacks of the servers' processes: {path}"]
     with path.open("w") as out:
-        monitors = _watch[0].pids if _watch else set()
+        monitors = monitor_pids()
         for proc in psutil.Process().children(recursive=True):
             if proc.pid in monitors:
                 continue
@@ -172,11 +125,6 @@ def _stacks(test: str) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _stalls:
-        terminalreporter.section("host stalls (a CPU that ran nothing; tests/vllm/stalls.py)")
-        for stall in _stalls:
-            at = time.strftime("%H:%M:%S", time.localtime(stall.start))
-            terminalreporter.write_line(f"{at}: {stall}")
     if _seen:
         terminalreporter.section("kvguard and server warnings during failed tests")
         for line in _seen:

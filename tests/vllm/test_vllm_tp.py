@@ -60,7 +60,7 @@ from tests.vllm.sessions import PortClosed
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 # The raises from the server defaults, with their measured cause: host
-# stalls (tests/vllm/stalls.py), spans when a CPU of this 2-core VM ran
+# stalls (tests/stalls.py), spans when a CPU of this 2-core VM ran
 # nothing. Idle TP prefills went silent past a 3 s heartbeat timeout (links
 # dropped with no load waiting, for 3-15 s) and a decode's dial stalled past a
 # 10 s deadline; on the defaults, one run of this module met 50 stalls of 2-91

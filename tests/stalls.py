@@ -11,9 +11,9 @@ down each wake that came more than ``GAP_S`` late. A CPU that runs
 anything, however busy, wakes it within milliseconds (CFS favours a task
 back from sleep); a late wake is a CPU that ran nothing.
 
-The conftest turns a failure that overlaps a stall into ``HostStall``
-(raised from the original error, which the report keeps), and
-pytest-rerunfailures runs only such a test again (``conftest.RERUNS`` times at most).
+``tests/stall_reruns.py`` turns a failure that overlaps a stall into
+``HostStall`` (raised from the original error, which the report keeps), and
+pytest-rerunfailures runs only such a test again (``RERUNS`` times at most).
 """
 
 from __future__ import annotations
