@@ -45,6 +45,7 @@ from tests.vllm.cluster import (
     fresh,
     idle_after,
     in_flight,
+    load_seconds,
     references,
     settle,
     spread,
@@ -78,6 +79,7 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     first = [i for i in range(len(decodes)) if i % half < 4]
     second = [i for i in range(len(decodes)) if i % half >= 4]
     before = {d.name: transfers(d) for d in (c.fail, c.recompute)}
+    failed_before = load_seconds(c.fail, "failed")
     r_before = c.recompute.tokens_by_source()
 
     control = int(c.prefill.kv["kv_connector_extra_config"]["kvguard_control_port"])  # type: ignore[index]
@@ -164,6 +166,14 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
         if dead_s + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S:
             assert max(took) + t_fault - t_stop < HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
     else:
+        # kvguard's own time from asking to failing (asked after the freeze),
+        # beside the client's: it tells kvguard's detection from vLLM's reply.
+        count, total = load_seconds(c.fail, "failed")
+        count -= failed_before[0]
+        rows[0].note += (
+            f"; kvguard's loads failed {(total - failed_before[1]) / max(count, 1):.2f}s "
+            f"after they were asked (mean of {count})"
+        )
         # Not before the timeout (the prefill is only silent), within its promise.
         assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
         assert max(took) <= FREEZE_S, rows[0].note
