@@ -266,16 +266,21 @@ def transfers(server: Server) -> Counter[tuple[str, str]]:
     return +out
 
 
-def load_seconds(server: Server, outcome: str) -> tuple[int, float]:
+def load_seconds(server: Server, outcome: str, within: float | None = None) -> tuple[int, float]:
     """(count, sum) of ``vllm:kvguard_transfer_seconds`` for the decode's loads
-    that ended ``outcome``: kvguard's own time from asking to the outcome."""
+    that ended ``outcome``: kvguard's own time from asking to the outcome.
+    With ``within`` (a bucket's bound), the count is of those that took at
+    most that long."""
     count, total = 0, 0.0
+    counted = "_count" if within is None else "_bucket"
     for key, value in server.metrics().items():
         name, _, rest = key.partition("{")
         labels = dict(_LABEL.findall(rest))
         if labels.get("role") != "decode" or labels.get("outcome") != outcome:
             continue
-        if name == "vllm:kvguard_transfer_seconds_count":
+        if within is not None and name.endswith("_bucket") and float(labels["le"]) != within:
+            continue
+        if name == f"vllm:kvguard_transfer_seconds{counted}":
             count += int(value)
         elif name == "vllm:kvguard_transfer_seconds_sum":
             total += value
