@@ -11,8 +11,8 @@ reason, never a deadline that would pass a regression:
   passes (3 s; ZeroMQ pings every 0.5 s, so between 3 and 3.5 s after the
   freeze): on kvguard's record, within the timeout plus 1 s of its ask on
   average and the next histogram bucket (5 s) each; the client's replies
-  not before the timeout, by the deadline; a recompute decode keeps the
-  blocks fenced until the thaw, then recomputes;
+  not before the timeout, within 3.5 s plus the kill's 1 s reaction; a
+  recompute decode keeps the blocks fenced until the thaw, then recomputes;
 * a client that leaves mid-load: its request ends at once, its blocks stay
   fenced while the frozen prefill may write them;
 * decode SIGKILL: the prefill's held blocks come back within its hold.
@@ -190,9 +190,11 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
             f"{within} within {FREEZE_BUCKET_S:g}s)"
         )
         assert count == WAVE and within == WAVE and mean <= FREEZE_S, rows[0].note
-        # Not before the timeout (the prefill is only silent); by the loads' deadline.
+        # The replies: not before the timeout (the prefill is only silent);
+        # within the detection's promise plus the reaction the kill is given,
+        # so a failure kvguard reports to vLLM late still fails this test.
         assert min(took) >= HEARTBEAT_TIMEOUT_S - HEARTBEAT_S, rows[0].note
-        assert max(took) <= DEADLINE_S, rows[0].note
+        assert max(took) <= HEARTBEAT_TIMEOUT_S + HEARTBEAT_S + KILL_S, rows[0].note
     settle(c, rows[0])
 
 
