@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from kvguard.vllm.decode_legs import DecodeLegs, Verdict
 from kvguard.vllm.decode_loads import LoadOutcome
-from kvguard.vllm.ranks import Leg, RankHeads, legs, rank_endpoint, spares
+from kvguard.vllm.params import Source
+from kvguard.vllm.ranks import Leg, Pairing, RankHeads, block_slice, legs, rank_endpoint, spares
 from kvguard.vllm.states import LoadEnd
+from transfer.plan import BlockSlice
 
 # -- ranks ----------------------------------------------------------------------
 
@@ -61,6 +63,75 @@ def test_pairings_that_cannot_work_name_both_sizes(
         legs(decode, prefill_size, head_major)
 
 
+_NOT_ONE_RUN = (
+    "prefill tensor parallel size 2 and decode size 1 differ: that needs a rank's KV heads "
+    "to be one run inside a block, and they are not in the {} KV cache layout (they are in "
+    "LBHNC and BHLNC without kernel blocks)"
+)
+
+
+@pytest.mark.parametrize(("layout", "named"), [("", "resolved"), ("LHBNC", "LHBNC")])
+def test_a_layout_without_head_runs_is_refused_by_name(layout: str, named: str) -> None:
+    """The whole message, the layout named when known (the `Pairing` passes its own)."""
+    with pytest.raises(ValueError) as exc:
+        legs(RankHeads(0, 1, 2), 2, False, layout) if layout else legs(RankHeads(0, 1, 2), 2, False)
+    assert str(exc.value) == _NOT_ONE_RUN.format(named)
+    pairing = (
+        Pairing(RankHeads(0, 1, 2), False, layout) if layout else Pairing(RankHeads(0, 1, 2), False)
+    )
+    with pytest.raises(ValueError) as exc:
+        pairing.legs(Source("tcp://h:1", "p", 2))
+    assert str(exc.value) == _NOT_ONE_RUN.format(named)
+
+
+def test_a_prefill_ranks_block_slice() -> None:
+    """What prefill rank 1 of 2 (heads [2, 4) of 4) writes of each 4096-byte
+    block to a decode rank, by the heads the decode rank holds."""
+    mine = RankHeads(1, 2, 4)
+    for first, count in ((2, 2), (0, 0)):  # the same heads, or whatever it holds: whole
+        assert block_slice(mine, first, count, True, 4096) is None
+    assert block_slice(None, 0, 4, True, 4096) is None  # the decode's own side: whole
+    got = block_slice(mine, 0, 4, True, 4096)  # the decode holds all 4: its heads 2-3
+    assert got == BlockSlice(0, 4096, 4096)
+    assert got is not None and all(
+        type(v) is int for v in (got.src_offset, got.dst_offset, got.length)
+    )
+    assert block_slice(mine, 3, 1, True, 4096) == BlockSlice(2048, 0, 2048)
+    cases = [
+        (
+            (4, 2, True),
+            "the decode rank holds KV heads [4, 6), this prefill rank [2, 4): none in common",
+        ),
+        (
+            (0, 2, True),
+            "the decode rank holds KV heads [0, 2), this prefill rank [2, 4): none in common",
+        ),
+        (
+            (0, 4, False),
+            "the decode rank holds KV heads [0, 4), this prefill rank [2, 4): "
+            "a share of a block needs heads outermost",
+        ),
+    ]
+    for (first, count, head_major), why in cases:
+        with pytest.raises(ValueError) as exc:
+            block_slice(mine, first, count, head_major, 4096)
+        assert str(exc.value) == why
+
+
+def test_a_decode_ranks_part_of_a_block_is_in_whole_bytes() -> None:
+    """(offset, length) go to the engine: ints, also where heads do not divide the block."""
+    pairing = Pairing(RankHeads(0, 1, 2), True, block_bytes=1000)
+    parts = [pairing.part(leg) for leg in pairing.legs(Source("tcp://h:1", "p", 2))]
+    assert parts == [(0, 500), (500, 500)]
+    assert all(type(v) is int for part in parts if part for v in part)
+    odd = Pairing(RankHeads(0, 1, 3), True, block_bytes=1000)
+    assert [odd.part(leg) for leg in odd.legs(Source("tcp://h:1", "p", 3))] == [
+        (0, 333),
+        (333, 333),
+        (666, 333),
+    ]
+
+
 @given(
     st.sampled_from([1, 2, 4, 6, 8, 12]).flatmap(
         lambda h: st.tuples(
@@ -96,6 +167,10 @@ def test_legs_cover_every_head_exactly_once(case: tuple[int, int, int]) -> None:
 def test_rank_endpoints() -> None:
     assert rank_endpoint("tcp://10.0.0.1:17600", 0) == "tcp://10.0.0.1:17600"
     assert rank_endpoint("tcp://10.0.0.1:17600", 3) == "tcp://10.0.0.1:17603"
+    assert rank_endpoint("h:1", 0) == "tcp://h:1"  # the lowest port there is
+    assert rank_endpoint("h:65534", 1) == "tcp://h:65535"
+    with pytest.raises(ValueError, match="not a tcp://host:port endpoint for rank 0: 'h:0'"):
+        rank_endpoint("h:0", 0)
     for bad in ("tcp://10.0.0.1", "tcp://h:x1", "tcp://h:65535"):
         with pytest.raises(ValueError, match="not a tcp://host:port endpoint for rank 1"):
             rank_endpoint(bad, 1)
