@@ -117,10 +117,8 @@ class WorkerStats:
             if n:
                 out.data["transfers"][f"prefill/{outcome}/"] = n
         for reason, n in b.by_reason.items():
-            if n != a.by_reason.get(reason, 0):
-                out.data["transfers"][f"prefill/failed/{reason or 'unknown'}"] = (
-                    n - a.by_reason.get(reason, 0)
-                )
+            if n != a.by_reason.get(reason, 0):  # reasons are LoadEnd values, never ""
+                out.data["transfers"][f"prefill/failed/{reason}"] = n - a.by_reason.get(reason, 0)
         if cur.bytes_done != last.bytes_done:
             out.data["bytes"]["prefill"] = cur.bytes_done - last.bytes_done
         for outcome, seconds in times:
@@ -161,7 +159,7 @@ class WorkerStats:
             if o.fenced:
                 self._fenced.add(o.request_id)
             outcome = "loaded" if o.ok else FAILED
-            key = f"decode/{outcome}/{'' if o.ok else o.reason or 'unknown'}"
+            key = f"decode/{outcome}/{o.reason}"  # "" for a load that loaded
             d["transfers"][key] = d["transfers"].get(key, 0) + 1
             d["seconds"].setdefault(f"decode/{outcome}", []).append(max(0.0, o.latency_s))
             if o.ok and blocks:

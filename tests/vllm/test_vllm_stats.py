@@ -17,6 +17,7 @@ import random
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -41,10 +42,12 @@ from kvguard.vllm.stats import GAUGES, KVGuardConnectorStats
 from kvguard.vllm.stats_prometheus import KVGuardPromMetrics
 from kvguard.vllm.stats_sampling import PrefillSample, WorkerStats
 from lifecycle import FailureReason
+from tests.pd_pair import SRC_LAYOUT, Pair
 from tests.vllm.client import complete, pd
 from tests.vllm.ports import free_port
 from tests.vllm.servers import MODEL, SERVES_KV, Server, kv_config
 from transfer import KVLayout
+from transfer.faults import FaultInjectingBackend, FaultKind, FaultPlan
 
 pytestmark = [pytest.mark.vllm]
 
@@ -394,6 +397,14 @@ def test_prefill_first_reading_is_against_zero_then_each_is_a_delta() -> None:
         "seconds": {},
         "gauges": {"held_blocks": 0, "quarantined_blocks": 2, "oldest_live_load_seconds": 1.5},
     }
+    more = replace(same.stats, failed=4, by_reason={"timeout": 3, "peer_lost": 1})
+    again = w.prefill(PrefillSample(more, 3 * BLOCK, 0, 2, 1.5), [("failed", 5.0)] * 2)
+    assert again is not None and again.data == {
+        "transfers": {"prefill/failed/timeout": 2},
+        "bytes": {},
+        "seconds": {"prefill/failed": [5.0, 5.0]},
+        "gauges": {},
+    }
 
 
 def replace_gauges(s: PrefillSample, *, held: int, q: int, age: float) -> PrefillSample:
@@ -475,6 +486,87 @@ def test_decode_finds_new_outcomes_after_the_receiver_dropped_old_ones() -> None
     s = w.decode([], later, {}, now=1.0)
     assert s is not None and s.data["transfers"] == {"decode/loaded/": 3}
     assert s.data["bytes"] == {"decode": 3 * BLOCK}
+    # An outcome of a load this side never saw start: counted, no bytes to its name.
+    s = w.decode([], [*later, outcome("z", True)], {}, now=2.0)
+    assert s is not None and s.data == {
+        "transfers": {"decode/loaded/": 1},
+        "bytes": {},
+        "seconds": {"decode/loaded": [0.1]},
+        "gauges": {},
+    }
+
+
+def test_the_sampler_reads_a_real_sender_and_receiver() -> None:
+    """``sample`` on a real prefill and decode (tests/pd_pair.py): the prefill's
+    push counted once, with its bytes and its time, however many steps sampled
+    before it; the decode's load the same; a worker that is neither sends nothing.
+    The prefill's engine loses the decode at the second push."""
+    script = FaultPlan.script([FaultKind.NONE, FaultKind.LOSE_PEER])
+    pair = Pair(wrap=lambda backend: FaultInjectingBackend(backend, script))
+    try:
+        pre, dec = WorkerStats(SRC_LAYOUT), WorkerStats(SRC_LAYOUT)
+        block = pre.block_bytes
+        assert pre.sample(None, None, [("x", 1)], {"x": 1}, 0.0) is None
+        idle = {"held_blocks": 0, "quarantined_blocks": 0, "oldest_live_load_seconds": 0.0}
+        first = pre.sample(pair.sender, None, [], {}, 0.0)
+        assert first is not None and first.data == {
+            "transfers": {},
+            "bytes": {},
+            "seconds": {},
+            "gauges": idle,
+        }
+        assert type(first.data["gauges"]["quarantined_blocks"]) is int  # blocks, not bytes
+        assert pre.sample(pair.sender, None, [], {}, 0.0) is None  # no second observer either
+        pair.sender.hold("r1", [1, 2, 3], time.monotonic() + 10)
+        pair.until(lambda: pair.sender.holding() == 1)  # the sender thread took it
+        held = pre.sample(pair.sender, None, [], {}, 0.0)
+        assert held is not None and held.data["gauges"] == {**idle, "held_blocks": 3}
+        t0 = time.monotonic()
+        pair.receiver.expect("r1", pair.sender.endpoint, "r1", [4, 5, 6], t0 + 10)
+        pair.until(lambda: "r1" in pair.outcomes and "r1" in pair.released)
+        took = time.monotonic() - t0
+        # The push's observer ran before its hold went: one reading has it all.
+        done = pre.sample(pair.sender, None, [], {}, 0.0)
+        assert done is not None
+        [seconds] = done.data["seconds"].pop("prefill/done")
+        assert 0.0 < seconds <= took
+        assert done.data == {
+            "transfers": {"prefill/done/": 1},
+            "bytes": {"prefill": 3 * block},
+            "seconds": {},
+            "gauges": idle,
+        }
+        assert pre.sample(pair.sender, None, [], {}, 0.0) is None
+        loaded = dec.sample(None, pair.receiver, [("r1", 3)], {}, 5.0)
+        assert loaded is not None
+        assert loaded.data["seconds"] == {"decode/loaded": [pair.outcomes["r1"].latency_s]}
+        assert loaded.data["transfers"] == {"decode/loaded/": 1}
+        assert loaded.data["bytes"] == {"decode": 3 * block}
+        assert dec.sample(None, pair.receiver, [], {}, 6.0) is None
+        # The second load: waiting in vLLM one step, then failed.
+        pending = dec.sample(None, pair.receiver, [("r2", 2)], {"r2": 2}, 7.0)
+        assert pending is not None and pending.data["gauges"] == {**idle, "held_blocks": 2}
+        lost = pair.load("r2", [7, 8], [9, 10])
+        assert not lost.ok
+        failed = pre.sample(pair.sender, None, [], {}, 0.0)
+        assert failed is not None
+        [seconds] = failed.data["seconds"].pop("prefill/failed")
+        assert 0.0 < seconds < 10.0
+        assert failed.data == {
+            "transfers": {f"prefill/failed/{lost.reason}": 1},
+            "bytes": {},
+            "seconds": {},
+            "gauges": {},
+        }
+        ended = dec.sample(None, pair.receiver, [], {}, 8.0)
+        assert ended is not None and ended.data == {
+            "transfers": {f"decode/failed/{lost.reason}": 1},
+            "bytes": {},
+            "seconds": {"decode/failed": [lost.latency_s]},
+            "gauges": idle,
+        }
+    finally:
+        pair.close()
 
 
 def test_the_scheduler_side_connector_reports_no_stats() -> None:
