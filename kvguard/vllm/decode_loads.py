@@ -9,7 +9,7 @@ fenced once nothing of the prefill can write its blocks. Every decision is
 
 It only moves events in and actions out, on one thread that owns every
 socket (a DEALER per prefill endpoint, with its monitor) and the core; the
-engine's calls reach it through a queue. It maps ZeroMQ's monitor events to
+engine's calls reach it through an ``Inbox`` that wakes its poll. It maps ZeroMQ's monitor events to
 ``states.LinkEvent``, tells its own frames come back (a TCP self-connect:
 nothing listens), and probes a lost prefill's port with a TCP connect.
 """
@@ -17,7 +17,6 @@ nothing listens), and probes a lost prefill's port with a TCP connect.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .actions import Close, DecodeAction, LoadOutcome, Open, Probe, Report, Send, Unfence
 from .decode_core import DecodeCore
+from .inbox import Inbox, poll_ms
 from .integrity import Verifier
 from .probe import gone
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, decode_from_prefill, encode
@@ -45,7 +45,7 @@ __all__ = ["DecodeReceiver", "LoadOutcome"]
 
 _log = structlog.get_logger("kvguard.vllm.receiver")
 
-_POLL_MS: Final = 5
+_POLL_MS: Final = 5  # the longest poll: the inbox and the core's timers wake it sooner
 _RECENT: Final = 4096  # outcomes kept for inspection
 # ZeroMQ's monitor events, as the core knows them.
 _LINK_EVENTS: Final[dict[int, LinkEvent]] = {
@@ -129,13 +129,14 @@ class DecodeReceiver:
         self._verifier = verify  # receiver thread only
         self._hb_ms = max(1, int(heartbeat_s * 1000))
         self._hb_timeout_ms = max(1, int(heartbeat_timeout_s * 1000))
-        self._inbox: queue.SimpleQueue[tuple[str, tuple[object, ...]]] = queue.SimpleQueue()
+        self._inbox: Inbox[tuple[str, tuple[object, ...]]] = Inbox()
         self._lock = threading.Lock()
         self._finished: list[LoadOutcome] = []  # (L) not yet taken
         self._unfenced: list[str] = []  # (L) fenced loads nothing writes any more
         self.outcomes: OrderedDict[str, LoadOutcome] = OrderedDict()  # (L) the last _RECENT
         self._socks: dict[str, _Socket] = {}  # receiver thread only
         self._poller = zmq.Poller()  # receiver thread only
+        self._poller.register(self._inbox, zmq.POLLIN)  # never an empty poll
         self.steps = 0  # receiver thread loop turns (a few hundred a second at most)
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
@@ -202,7 +203,9 @@ class DecodeReceiver:
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._inbox.wake()
         self._thread.join(timeout)
+        self._inbox.close()
 
     # -- the receiver thread ---------------------------------------------------
 
@@ -219,18 +222,10 @@ class DecodeReceiver:
             self._ctx.term()
 
     def _turn(self) -> None:
-        if not self._socks:
-            # ZeroMQ's poll returns at once with nothing to poll (a busy loop
-            # holding the GIL the engine's thread needs): wait on the inbox.
-            with contextlib.suppress(queue.Empty):
-                self._command(*self._inbox.get(timeout=_POLL_MS / 1000))
-        while True:
-            try:
-                kind, args = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        wait_ms = poll_ms(self._core.next_wake(), time.monotonic(), _POLL_MS)
+        ready = dict(self._poller.poll(wait_ms))
+        for kind, args in self._inbox.drain():
             self._command(kind, args)
-        ready = dict(self._poller.poll(_POLL_MS)) if self._socks else {}
         self.steps += 1
         for endpoint, s in list(self._socks.items()):
             if ready.get(s.monitor):

@@ -13,14 +13,14 @@
 Every decision is ``prefill_core.PrefillCore``'s (its docstring says what it
 promises). This module only moves events in and actions out, on one thread:
 ``kvguard-vllm-sender`` owns the ROUTER socket and the core; the engine's
-holds and kvguard's release callbacks reach it through a queue. What other
+holds and kvguard's release callbacks reach it through an ``Inbox`` that
+wakes its poll (so a Result goes out as the release comes). What other
 threads read (stats, released ids) is published under ``_lock`` at the end
 of each turn.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +42,7 @@ from transfer.cache import KVCache
 from transfer.errors import PeerProtocolError
 
 from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
+from .inbox import Inbox, poll_ms
 from .integrity import source_digest
 from .prefill_core import PrefillCore
 from .protocol import MAX_FRAME_BYTES, decode_from_decode, encode, ids_of, truncate
@@ -52,7 +53,9 @@ __all__ = ["PrefillSender", "SenderStats"]
 
 _log = structlog.get_logger("kvguard.vllm.sender")
 
-_POLL_MS: Final = 5  # how often the thread looks at its queue and timers
+# The longest poll: the inbox and the core's timers wake it sooner; this
+# bounds what a wake-up missed by a bug would cost.
+_POLL_MS: Final = 5
 
 # What reaches the sender thread from others: the engine's hold, kvguard's release.
 _Hold = tuple[str, list[int], float]
@@ -100,7 +103,7 @@ class PrefillSender:
         self._sched = Scheduler(
             backend, cache, workers=workers, retry=retry, default_deadline_s=30.0
         )
-        self._inbox: queue.SimpleQueue[_Hold | _Released] = queue.SimpleQueue()
+        self._inbox: Inbox[_Hold | _Released] = Inbox()
         self._lock = threading.Lock()  # guards what other threads read:
         self._released: set[str] = set()  # (L) released, not yet taken by the engine
         self._stats = SenderStats()  # (L) the core's, as of the last turn
@@ -134,8 +137,12 @@ class PrefillSender:
                 self._guard.close()
             self._ctx.term()
             self._sched.close(timeout=1.0)
+            self._inbox.close()
             raise OSError(f"kvguard sender cannot listen on {bind}: {exc}") from exc
         self._sock = sock
+        self._poller = zmq.Poller()  # sender thread only
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._inbox, zmq.POLLIN)
         self.endpoint = str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvguard-vllm-sender", daemon=True)
@@ -183,7 +190,9 @@ class PrefillSender:
     def close(self, timeout: float = 5.0) -> None:
         """Stop answering decodes and end kvguard's requests (SHUTDOWN)."""
         self._stop.set()
+        self._inbox.wake()
         self._thread.join(timeout)
+        self._inbox.close()
         self._digester.shutdown(wait=True, cancel_futures=True)
         self._sched.close(timeout=timeout)
         self._sock.close()
@@ -203,14 +212,11 @@ class PrefillSender:
     def _turn(self) -> None:
         core, sock = self._core, self._sock
         later: list[Release | Reply] = []  # once the turn's stats are published
-        ready = sock.poll(_POLL_MS, zmq.POLLIN)
+        wait_ms = poll_ms(core.next_wake(), time.monotonic(), _POLL_MS)
+        ready = dict(self._poller.poll(wait_ms)).get(sock, 0)
         # The engine's holds first: a decode's word read in the same turn
         # may be about them (the engine tells the worker a step late).
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for item in self._inbox.drain():
             now = time.monotonic()
             if len(item) == 3:
                 rid, blocks, deadline = item
