@@ -9,9 +9,10 @@ fenced once nothing of the prefill can write its blocks. Every decision is
 
 It only moves events in and actions out, on one thread that owns every
 socket (a DEALER per prefill endpoint, with its monitor) and the core; the
-engine's calls reach it through an ``Inbox`` that wakes its poll. It maps ZeroMQ's monitor events to
-``states.LinkEvent``, tells its own frames come back (a TCP self-connect:
-nothing listens), and probes a lost prefill's port with a TCP connect.
+engine's calls reach it through an ``Inbox`` that wakes its poll. It maps
+ZeroMQ's monitor events to ``states.LinkEvent``, tells its own frames come
+back (a TCP self-connect: nothing listens), and probes a lost prefill's
+port with a TCP connect.
 """
 
 from __future__ import annotations
