@@ -116,9 +116,9 @@ class WorkerStats:
         for outcome, n in counts.items():
             if n:
                 out.data["transfers"][f"prefill/{outcome}/"] = n
-        for reason, n in b.by_reason.items():
-            if n != a.by_reason.get(reason, 0):  # reasons are LoadEnd values, never ""
-                out.data["transfers"][f"prefill/failed/{reason}"] = n - a.by_reason.get(reason, 0)
+        for reason, n in b.by_reason.items():  # reasons are LoadEnd values, never ""
+            if grew := n - a.by_reason.get(reason, 0):
+                out.data["transfers"][f"prefill/failed/{reason}"] = grew
         if cur.bytes_done != last.bytes_done:
             out.data["bytes"]["prefill"] = cur.bytes_done - last.bytes_done
         for outcome, seconds in times:
