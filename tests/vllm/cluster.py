@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.vllm.client import Outcome, complete, pd, prompts_of, run
+from tests.vllm.client import Outcome, complete, http_session, pd, prompts_of, run
 from tests.vllm.ports import free_port
 from tests.vllm.report import Row
 from tests.vllm.servers import SERVES_KV, Server, kv_config, start_all
@@ -133,7 +133,7 @@ def references(
     missing = [k for k in dict.fromkeys(keys) if k not in c.refs]
 
     async def non_pd() -> list[Outcome]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return list(
                 await asyncio.gather(
                     *(
@@ -177,7 +177,7 @@ def settle(c: Cluster, row: Row) -> None:
         fresh(c.prefill, decode)
 
         async def check(d: Server = decode) -> Outcome:
-            async with aiohttp.ClientSession() as http:
+            async with http_session() as http:
                 return await pd(http, c.prefill, d, prompt, MAX_TOKENS, kv=SERVES_KV)
 
         got = run(check())

@@ -44,7 +44,7 @@ import aiohttp
 import pytest
 
 from tests.vllm import servers as harness
-from tests.vllm.client import Outcome, complete, pd, prefill_step, run
+from tests.vllm.client import Outcome, complete, http_session, pd, prefill_step, run
 from tests.vllm.ports import free_port
 from tests.vllm.servers import LOGS, SERVES_KV, Server, kv_config, start_all
 
@@ -222,7 +222,7 @@ def scenario(c: Canary, seed: int, *, freeze: bool = False, bypass: bool = False
     prompt = fresh_prompt(seed)
 
     async def go() -> tuple[Outcome, list[tuple[list[int], Outcome]]]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             await references(c, http, BG_PROMPTS)
             first, params = await prefill_step(http, c.prefill, prompt)
             assert first.kind == "ok" and params is not None, f"{first}\n{c.logs()}"
@@ -328,7 +328,7 @@ def assert_idle_and_serving(c: Canary, seed: int) -> None:
     prompt = fresh_prompt(seed)
 
     async def go() -> tuple[Outcome, Outcome]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             ref, _ = await complete(http, c.decode, prompt, PD_TOKENS)
             return ref, await pd(http, c.prefill, c.decode, prompt, PD_TOKENS, kv=SERVES_KV)
 

@@ -27,11 +27,10 @@ import asyncio
 import signal
 import time
 
-import aiohttp
 import pytest
 
 from scheduler.metrics import LATENCY_BUCKETS
-from tests.vllm.client import Outcome, complete, prefill_step, prompts_of, run
+from tests.vllm.client import Outcome, complete, http_session, prefill_step, prompts_of, run
 from tests.vllm.cluster import (
     DEADLINE_S,
     FAILED,
@@ -92,7 +91,7 @@ def _prefill_fault(c: Cluster, sig: signal.Signals) -> None:
     closed = PortClosed(control)
 
     async def go() -> tuple[dict[int, tuple[Outcome, float]], float, float]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             steps = await asyncio.gather(*(prefill_step(http, c.prefill, p) for p in prompts))
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
 
@@ -220,7 +219,7 @@ def test_client_disconnect_mid_load_leaves_decode_idle(cluster: Cluster) -> None
     row = Row("client disconnects mid-load (prefill frozen meanwhile)")
 
     async def go() -> tuple[float, float]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             first, params = await prefill_step(http, c.prefill, prompt)
             assert first.kind == "ok" and params is not None, first
             c.prefill.signal(signal.SIGSTOP)
@@ -284,7 +283,7 @@ def test_decode_sigkill_mid_run_returns_prefill_blocks(cluster: Cluster) -> None
     row = Row("decode SIGKILL mid-run (16 asked, 16 held, not asked)")
 
     async def go() -> tuple[list[Outcome], float, float]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             steps = await asyncio.gather(*(prefill_step(http, c.prefill, p) for p in prompts))
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
             # The hold the prefill applied, as it tells the decode.
@@ -303,7 +302,7 @@ def test_decode_sigkill_mid_run_returns_prefill_blocks(cluster: Cluster) -> None
             await asyncio.to_thread(c.fail.wait_gone, SETTLE_S)
             # New connections: a pooled one to the dead server resets on
             # write, which says nothing about a server that is gone.
-            async with aiohttp.ClientSession() as later:
+            async with http_session() as later:
                 outs += await asyncio.gather(
                     *(
                         decode_step(later, c.fail, p, m, kv)

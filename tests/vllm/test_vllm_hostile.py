@@ -16,7 +16,6 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import aiohttp
 import pytest
 
 from kvguard.vllm.params import DEADLINE_S as DEADLINE_KEY
@@ -27,7 +26,7 @@ from kvguard.vllm.params import (
     REQUEST_ID,
     TP_SIZE,
 )
-from tests.vllm.client import Outcome, complete, pd, prompts_of, run
+from tests.vllm.client import Outcome, complete, http_session, pd, prompts_of, run
 from tests.vllm.cluster import (
     DEADLINE_S,
     FAILED,
@@ -69,7 +68,7 @@ def test_hostile_params_to_a_decode_are_answered_at_once(cluster: Cluster) -> No
     before = transfers(c.fail)
 
     async def go() -> list[Outcome]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             outs = await asyncio.gather(
                 *(complete(http, c.fail, prompt, MAX_TOKENS, kv) for _, kv, _, _ in CASES)
             )
@@ -98,7 +97,7 @@ def test_a_junk_deadline_to_a_prefill_gets_its_own_and_pd_still_equals_non_pd(
     fresh(c.prefill, c.fail)
 
     async def go() -> Outcome:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return await pd(http, c.prefill, c.fail, prompt, MAX_TOKENS, kv={DEADLINE_KEY: junk})
 
     got = run(go())

@@ -52,11 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from tests.vllm import servers as harness
-from tests.vllm.client import Outcome, ask, complete, prompts_of, run
+from tests.vllm.client import Outcome, ask, complete, http_session, prompts_of, run
 from tests.vllm.cluster import first_done, spread
 from tests.vllm.docs import checked_block, jobs_of, local
 from tests.vllm.ports import free_port
@@ -183,7 +182,7 @@ def references(d: Deployment, prompts: list[list[int]]) -> list[tuple[int, ...]]
     missing = [tuple(p) for p in prompts if tuple(p) not in d.refs]
 
     async def go() -> list[tuple[Outcome, Any]]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return list(
                 await asyncio.gather(
                     *(
@@ -267,7 +266,7 @@ def scenario(
         metric = "vllm_router_pd_prefill_requests_total"
 
     async def go() -> tuple[list[Outcome], list[Outcome] | None, int]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
 
             async def one(i: int, prompt: list[int]) -> Outcome:
                 await asyncio.sleep(i * SPACING_S)

@@ -17,10 +17,9 @@ import signal
 import subprocess
 import time
 
-import aiohttp
 import pytest
 
-from tests.vllm.client import Outcome, ask, ask_all, pd, prompts_of, run
+from tests.vllm.client import Outcome, ask, ask_all, http_session, pd, prompts_of, run
 from tests.vllm.cluster import (
     DEADLINE_S,
     MAX_TOKENS,
@@ -104,7 +103,7 @@ def test_one_request_through_pd_equals_non_pd(cluster: Cluster) -> None:
     fresh(prefill, decode)
 
     async def go() -> Outcome:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return await pd(http, prefill, decode, PROMPTS[0], MAX_TOKENS)
 
     got = run(go())
@@ -124,7 +123,7 @@ def test_clean_concurrent_requests_through_kvguard_proxy(cluster: Cluster) -> No
     try:
 
         async def go() -> list[Outcome]:
-            async with aiohttp.ClientSession() as http:
+            async with http_session() as http:
                 many = await asyncio.gather(
                     *(ask(http, proxy.url, p, MAX_TOKENS) for p in prompts[:32])
                 )
@@ -158,7 +157,7 @@ def test_prefix_caching_with_shared_prefixes_on_both_sides(cluster: Cluster) -> 
     try:
 
         async def go() -> list[Outcome]:
-            async with aiohttp.ClientSession() as http:
+            async with http_session() as http:
                 one = await asyncio.gather(*(ask(http, proxy.url, p, MAX_TOKENS) for p in firsts))
                 two = await asyncio.gather(*(ask(http, proxy.url, p, MAX_TOKENS) for p in rest))
                 return [*one, *two]

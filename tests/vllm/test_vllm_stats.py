@@ -22,7 +22,6 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,7 +42,7 @@ from kvguard.vllm.stats_prometheus import KVGuardPromMetrics
 from kvguard.vllm.stats_sampling import PrefillSample, WorkerStats
 from lifecycle import FailureReason
 from tests.pd_pair import SRC_LAYOUT, Pair
-from tests.vllm.client import complete, pd
+from tests.vllm.client import complete, http_session, pd
 from tests.vllm.ports import free_port
 from tests.vllm.servers import MODEL, SERVES_KV, Server, kv_config
 from transfer import KVLayout
@@ -623,7 +622,7 @@ def test_servers_export_kvguards_figures_on_metrics(servers: tuple[Server, Serve
     nowhere = free_port()  # nobody listens there: the load fails
 
     async def run() -> tuple[list[int], int]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             # The longest deadline: vLLM's own stalled steps (docs/vllm.md) must not
             # fail a load whose figures the test counts.
             statuses = [

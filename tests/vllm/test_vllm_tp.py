@@ -35,12 +35,20 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import aiohttp
 import psutil
 import pytest
 
 from tests.vllm import servers as harness
-from tests.vllm.client import Outcome, ask_all, complete, pd, prefill_step, prompts_of, run
+from tests.vllm.client import (
+    Outcome,
+    ask_all,
+    complete,
+    http_session,
+    pd,
+    prefill_step,
+    prompts_of,
+    run,
+)
 from tests.vllm.cluster import (
     FAILED,
     HEARTBEAT_S,
@@ -172,7 +180,7 @@ def warm_up(servers: Sequence[Server]) -> None:
 
 def references(decode: Server, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     async def go() -> list[tuple[Outcome, object]]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return list(
                 await asyncio.gather(
                     *(complete(http, decode, p, MAX_TOKENS, timeout_s=300) for p in prompts)
@@ -244,7 +252,7 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
     closed = PortClosed(port)  # rank 1's
 
     async def go() -> tuple[list[tuple[Outcome, float]], float, float]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             steps = await asyncio.gather(*(prefill_step(http, s.p2, q) for q in prompts))
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
             # One clean load first: the links to both ranks are up when the
@@ -252,7 +260,7 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
             # listener, a stall, not this scenario).
             (warm,) = prompts_of(1, seed=90 + sig)
             first = await pd(http, s.p2, s.d2, warm, MAX_TOKENS)
-            assert first.kind == "ok", first
+            assert first.kind == "ok", f"{first}\n{s.logs()}"
             nonlocal t_signal
             t_signal = stop(worker)
             t_stop = time.monotonic()
@@ -273,12 +281,12 @@ def _rank_fault(s: Servers, sig: signal.Signals) -> None:
             worker_state = state_of(worker)
             return ended, t_stop, t_fault
 
-    try:
-        outs, t_stop, t_fault = run(go())
-    finally:
-        if sig == signal.SIGSTOP:
-            os.kill(worker, signal.SIGCONT)
-    try:
+    try:  # restarted whatever fails: a rerun must not find its rank frozen or dead
+        try:
+            outs, t_stop, t_fault = run(go())
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(worker, signal.SIGCONT)
         took = [t - t_fault for _, t in outs]
         what = f"{len(took)} requests ended {spread(took)} after the rank's {sig.name}"
         if sig == signal.SIGKILL:
@@ -355,7 +363,7 @@ def test_a_fault_on_one_prefill_rank_fails_every_request(servers: Servers) -> No
     p_before, d_before = transfers(s.p2), transfers(s.d2)
 
     async def go() -> list[Outcome]:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             steps = await asyncio.gather(*(prefill_step(http, s.p2, q) for q in prompts))
             assert all(o.kind == "ok" and kv for o, kv in steps), steps
             return list(
@@ -423,7 +431,7 @@ def check_serves(prefill: Server, decode: Server) -> None:
     fresh(prefill, decode)
 
     async def go() -> Outcome:
-        async with aiohttp.ClientSession() as http:
+        async with http_session() as http:
             return await pd(
                 http, prefill, decode, prompt, MAX_TOKENS, timeout_s=4 * DEADLINE_S, kv=SERVES_KV
             )
