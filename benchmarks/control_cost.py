@@ -14,7 +14,9 @@ round so that host load hits each alike:
 
 Reported per variant: loads per second and the median / p99 time of one
 load, and the cost against ``plain`` in the same run. ``--block-bytes``
-times ``--blocks`` times 2 x ``--layers`` buffers is the KV of one load.
+times ``--blocks`` times 2 x ``--layers`` buffers is the KV of one load. The
+buffers lie in one allocation, as vLLM 0.32 lays out its layers
+(``--per-buffer``: one allocation each, as ``KVCache`` makes them).
 
     python -m benchmarks.control_cost [--loads 200] [--rounds 5] [--blocks 16]
 """
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+import torch
 
 from kvguard.curve import ClientKeys, ServerKeys, keygen
 from kvguard.vllm.decode_loads import DecodeReceiver
@@ -43,11 +46,18 @@ __all__ = ["main"]
 VARIANTS = ("plain", "verify", "curve", "curve+verify")
 
 
+def _cache(layout: KVLayout, per_buffer: bool) -> KVCache:
+    if per_buffer:
+        return KVCache(layout)
+    whole = torch.zeros(layout.num_buffers, layout.buffer_bytes, dtype=torch.uint8)
+    return KVCache(layout, tensors=list(whole))  # its rows: one allocation
+
+
 class _Pair:
-    def __init__(self, layout: KVLayout, variant: str, keys: Path) -> None:
-        self.src = KVCache(layout)
+    def __init__(self, layout: KVLayout, variant: str, keys: Path, per_buffer: bool) -> None:
+        self.src = _cache(layout, per_buffer)
         self.src.fill_seeded(1)
-        self.dst = KVCache(layout)
+        self.dst = _cache(layout, per_buffer)
         self.backend = LocalBackend(workers=2)
         self.backend.register_source(self.src)
         info = self.backend.register_peer("decode:1", self.dst)
@@ -99,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=16, help="blocks per load")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--block-bytes", type=int, default=8192)
+    parser.add_argument("--per-buffer", action="store_true", help="an allocation per buffer")
     args = parser.parse_args(argv)
     # An application: it may quiet the library's per-transition records.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -107,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         _keys(Path(tmp))
-        pairs = {v: _Pair(layout, v, Path(tmp)) for v in VARIANTS}
+        pairs = {v: _Pair(layout, v, Path(tmp), args.per_buffer) for v in VARIANTS}
         try:
             blocks = list(range(args.blocks))
             for pair in pairs.values():  # warm: links up, handshakes done

@@ -118,6 +118,97 @@ def test_a_strided_cache_digests_like_a_dense_one() -> None:
     assert region_digest(strided, [4, 2, 0]) == region_digest(dense, [4, 2, 0])
 
 
+def one_allocation(
+    layers: int, num_blocks: int, block_bytes: int, gaps: list[int], stride: int = 0, start: int = 0
+) -> KVCache:
+    """A cache whose buffers lie in one allocation, ``gaps[i]`` bytes after
+    buffer ``i`` (vLLM's layers: one tensor, a constant layer stride), the
+    first ``start`` bytes in; every byte of the allocation seeded."""
+    layout = KVLayout(layers, num_blocks, block_bytes, block_stride=stride)
+    size = start + layout.num_buffers * layout.buffer_bytes + sum(gaps)
+    store = torch.empty(size, dtype=torch.uint8)
+    store.random_(0, 256, generator=torch.Generator().manual_seed(size))
+    bases, at = [], store.data_ptr() + start
+    for i in range(layout.num_buffers):
+        bases.append(at)
+        at += layout.buffer_bytes + (gaps[i] if i < len(gaps) else 0)
+    return KVCache.over(layout, [store], bases)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layers=st.integers(1, 4),
+    block_bytes=st.sampled_from([64, 96, 12, 7, 40]),
+    pad=st.sampled_from([0, 4, 3]),
+    start=st.integers(0, 5),
+    spacing=st.lists(st.sampled_from([0, 0, 0, 8, 5]), min_size=7, max_size=7),
+    blocks=st.lists(st.integers(0, 5), min_size=1, max_size=8),
+    part=st.sampled_from([None, "head", "tail"]),
+)
+def test_buffers_in_one_allocation_digest_as_the_reference(
+    layers: int,
+    block_bytes: int,
+    pad: int,
+    start: int,
+    spacing: list[int],
+    blocks: list[int],
+    part: str | None,
+) -> None:
+    """Buffers equally far apart are read as one group; a different gap
+    starts another; bases and strides off a 4-byte boundary are copied to
+    be read as words. The digest is the reference whatever the grouping."""
+    stride = block_bytes + pad if pad else 0
+    cache = one_allocation(layers, 6, block_bytes, spacing[: 2 * layers - 1], stride, start)
+    cut = {None: None, "head": (0, block_bytes // 2), "tail": (block_bytes // 3, block_bytes // 2)}
+    got = region_digest(cache, blocks, cut[part])
+    assert got == reference(rows_of(cache, blocks, cut[part]))
+    groups = cache.groups()
+    assert sum(len(g) for g in groups) == cache.layout.num_buffers
+    gaps = spacing[: 2 * layers - 1]
+    if len(set(gaps)) <= 1:  # equally far apart: one group
+        assert len(groups) == 1, gaps
+    firsts = [g[i] for g in groups for i in range(len(g))]  # every buffer once, in order
+    for b, rows in enumerate(firsts):
+        assert torch.equal(rows, cache.rows(b))
+
+
+def test_separate_allocations_are_a_group_each() -> None:
+    cache = cache_of(4, 64, layers=3)
+    assert [len(g) for g in cache.groups()] == [1] * 6
+    assert [len(g) for g in one_allocation(2, 4, 64, [0, 8, 0]).groups()] == [2, 2]
+    assert [len(g) for g in one_allocation(3, 4, 64, [0, 0, 8, 8, 8]).groups()] == [3, 3]
+    assert region_digest(cache, [3, 1]) == reference(rows_of(cache, [3, 1]))
+
+
+def test_torch_calls_do_not_grow_with_the_buffers_in_one_allocation() -> None:
+    """Each torch call releases the GIL and must take it back: beside a busy
+    thread (vLLM's worker between steps) that is up to 5 ms a call. A digest
+    of vLLM's layers, one allocation, costs the same calls for 2 buffers as
+    for 64, and a gather the same calls for 2 as for 64 buffers too."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls(layers: int, blocks: list[int]) -> int:
+        cache = one_allocation(layers, 40, 256, [0] * (2 * layers))
+        Count.calls = 0
+        with Count():
+            got = region_digest(cache, blocks, (64, 128))
+        assert got == reference(rows_of(cache, blocks, (64, 128)))
+        return Count.calls
+
+    runs = [*range(2, 9), 20, *range(30, 34)]  # two runs: sliced
+    scattered = list(range(0, 40, 3))  # 14 runs of one: gathered
+    assert calls(1, runs) == calls(32, runs)
+    assert calls(1, scattered) == calls(32, scattered)
+    assert calls(1, runs) < 64  # the per-buffer loop made 94 here, 1,706 for 32 layers
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     blocks=st.lists(st.integers(0, 7), min_size=1, max_size=6),

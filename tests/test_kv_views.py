@@ -22,7 +22,9 @@ from tests.layout_helpers import (
     make_views,
     tp_plans,
 )
+from tests.test_checksum import reference, rows_of
 from transfer import KVCache, KVLayout, build_plan
+from transfer.checksum import region_digest
 from transfer.local import LocalBackend
 from transfer.peer_protocol import peer_message_of
 
@@ -58,6 +60,22 @@ def test_units_cover_each_block_exactly(name: str, kernel: int, pad: int | None)
         assert int(moved.sum()) == int(raw.sum()) == L * H * N * C * 2  # every byte of block b
         if pad is None:
             assert bool((moved == 1).all())  # and nothing else
+
+
+@pytest.mark.parametrize(("name", "kernel", "pad"), CASES)
+def test_every_layout_is_one_group_and_digests_as_the_reference(
+    name: str, kernel: int, pad: int | None
+) -> None:
+    """vLLM lays every layer out in one allocation a constant stride apart, so
+    a digest reads all of a block run's buffers in one torch call (see
+    ``KVCache.groups``), and gets the digest that the per-buffer definition gives."""
+    raw, views = make_views(name, L, 5, H, N, C, kernel=kernel, padded_page=pad)
+    raw.random_(-128, 127, generator=torch.Generator().manual_seed(5))
+    cache = describe(views, name, 5).cache()
+    assert [len(g) for g in cache.groups()] == [cache.layout.num_buffers]
+    blocks, length = [4, 1, 2], cache.layout.block_bytes
+    for part in (None, (length // 2, length // 4 // 4 * 4)):
+        assert region_digest(cache, blocks, part) == reference(rows_of(cache, blocks, part))
 
 
 @pytest.mark.parametrize(("name", "kernel", "pad"), CASES)

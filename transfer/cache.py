@@ -37,7 +37,7 @@ class KVCache:
     except for the final "which blocks differ" answer.
     """
 
-    __slots__ = ("_bases", "device", "layout", "storage", "tensors")
+    __slots__ = ("_bases", "_groups", "device", "layout", "storage", "tensors")
 
     layout: KVLayout
     # uint8, len == layout.num_buffers: contiguous and 1-D where the cache
@@ -49,6 +49,9 @@ class KVCache:
     storage: tuple[torch.Tensor, ...]
     device: torch.device  # every tensor lives here
     _bases: tuple[int, ...]  # data_ptr of each tensor; fixed for the tensors' lifetime
+    # every buffer once, in order: runs of neighbours equally far apart in one
+    # allocation as (count, num_blocks, block_bytes) views (``groups``)
+    _groups: tuple[torch.Tensor, ...]
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class KVCache:
         self.storage = storage
         self.device = dev
         self._bases = tuple(v.data_ptr() for v in views)
+        self._groups = _groups(views, layout)
         # Overlapping buffers would alias blocks and be refused at registration.
         spans = sorted((b, i) for i, b in enumerate(self._bases))
         for (b0, i0), (b1, i1) in pairwise(spans):
@@ -168,6 +172,14 @@ class KVCache:
         """Buffer ``buffer`` as a (num_blocks, block_bytes) uint8 view."""
         lay = self.layout
         return self.tensors[buffer].view(lay.num_blocks, lay.block_bytes)
+
+    def groups(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, in order, as few 3-D (count, num_blocks, block_bytes)
+        uint8 views as their placement allows: one for buffers equally far
+        apart in one allocation (vLLM's layers), one per buffer at worst. One
+        torch call then reads a block run in every buffer of a group: each
+        call may wait for the GIL (up to 5 ms beside a busy thread)."""
+        return self._groups
 
     def _check(self, buffer: int, block: int) -> None:
         if not _is_int(buffer) or not 0 <= buffer < self.layout.num_buffers:
@@ -233,6 +245,33 @@ class KVCache:
             differs |= (lhs != rhs.to(self.device)).any(dim=1)
         bad = differs.nonzero().flatten().tolist()
         return sorted({int(dst_blocks[i]) for i in bad})
+
+
+def _groups(views: Sequence[torch.Tensor], layout: KVLayout) -> tuple[torch.Tensor, ...]:
+    out = []
+    first = 0
+    while first < len(views):
+        home = views[first]
+        step, end = 0, first + 1
+        if end < len(views) and _same_storage(views[end], home):
+            step = views[end].data_ptr() - home.data_ptr()
+        while (
+            end < len(views)
+            and step > 0
+            and _same_storage(views[end], home)
+            and views[end].data_ptr() - views[end - 1].data_ptr() == step
+        ):
+            end += 1
+        count = end - first
+        shape = (count, layout.num_blocks, layout.block_bytes)
+        stride = (step if count > 1 else 0, layout.stride, 1)  # a lone buffer has no step
+        out.append(torch.as_strided(home, shape, stride, home.storage_offset()))
+        first = end
+    return tuple(out)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def _fill(t: torch.Tensor, gen: torch.Generator) -> None:

@@ -68,7 +68,16 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 def weights(first: int, count: int, seed: int, device: torch.device) -> torch.Tensor:
     """Odd splitmix64 outputs for indices ``[first, first + count)`` under ``seed``."""
     z = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    z = z * _GOLDEN + seed  # seeds are below 2**63
+    return _mix(z * _GOLDEN + seed)  # seeds are below 2**63
+
+
+def _weights(count: int, device: torch.device) -> torch.Tensor:
+    """``weights(0, count, seed)`` for each of ``_SEEDS``, as rows: one set of calls for both."""
+    z = torch.arange(count, dtype=torch.int64, device=device) * _GOLDEN
+    return _mix(z + torch.tensor(_SEEDS, dtype=torch.int64, device=device).unsqueeze(1))
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _M1
     z = (z ^ _shr(z, 27)) * _M2
     return (z ^ _shr(z, 31)) | 1
@@ -104,28 +113,40 @@ def region_digest(
     words = length // word
     parts = next(n for n in (_PARTS, 8, 4, 2, 1) if words % n == 0)
     dev = cache.device
+    groups = cache.groups()
+    if word == 1:  # bytes summed across buffers at once took 4x as long here
+        groups = tuple(g[i : i + 1] for g in groups for i in range(len(g)))
     runs = _runs(blocks)
     sliced = len(runs) <= _MAX_RUNS or (
         dev.type == "cpu" and length * len(blocks) >= _HOST_SLICE_BYTES * len(runs)
     )
     if not sliced:  # scattered small runs: gather a bounded chunk at a time
-        step = max(1, _CHUNK_BYTES // length)
+        step = max(1, _CHUNK_BYTES // (length * max(len(g) for g in groups)))
         ids = [
             torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=dev)
             for lo in range(0, len(blocks), step)
         ]
+    # A torch call per group and run, not per buffer: each call may wait for
+    # the GIL, and vLLM's worker thread holds it between steps.
     sums = [torch.zeros(0, dtype=torch.int32, device=dev)]
-    for buf in range(lay.num_buffers):
-        view = cache.rows(buf)[:, offset : offset + length]
+    for group in groups:
+        view = group[:, :, offset : offset + length]
         pieces = (
-            [view[lo:hi] for lo, hi in runs] if sliced else [view.index_select(0, i) for i in ids]
+            [view[:, lo:hi] for lo, hi in runs]
+            if sliced
+            else [view.index_select(1, i) for i in ids]
         )
+        totals = []
         for rows in pieces:
-            if word == 4 and (rows.storage_offset() % 4 or rows.stride(0) % 4):
-                rows = rows.clone()  # a slice not on a word boundary: copied
+            if word == 4 and (
+                rows.storage_offset() % 4 or rows.stride(0) % 4 or rows.stride(1) % 4
+            ):
+                rows = rows.clone(memory_format=torch.contiguous_format)  # off a word: copied
             data = rows.view(torch.int32) if word == 4 else rows
-            total = data.reshape(len(rows), parts, words // parts).sum(dim=2, dtype=torch.int32)
-            sums.append(total.flatten())
+            n, r = data.shape[:2]
+            totals.append(data.reshape(n, r, parts, words // parts).sum(dim=3, dtype=torch.int32))
+        if totals:  # buffer by buffer, each one's rows in the order given
+            sums.append((torch.cat(totals, dim=1) if len(totals) > 1 else totals[0]).flatten())
     flat = torch.cat(sums).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
-    acc = torch.stack([(flat * weights(0, flat.numel(), seed, dev)).sum() for seed in _SEEDS])
+    acc = (flat * _weights(flat.numel(), dev)).sum(dim=1)  # one per seed
     return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync
