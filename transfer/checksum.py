@@ -65,14 +65,9 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def weights(first: int, count: int, seed: int, device: torch.device) -> torch.Tensor:
-    """Odd splitmix64 outputs for indices ``[first, first + count)`` under ``seed``."""
-    z = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    return _mix(z * _GOLDEN + seed)  # seeds are below 2**63
-
-
 def _weights(count: int, device: torch.device) -> torch.Tensor:
-    """``weights(0, count, seed)`` for each of ``_SEEDS``, as rows: one set of calls for both."""
+    """Odd splitmix64 outputs for indices ``[0, count)``, a row per seed of
+    ``_SEEDS`` (one set of torch calls for both)."""
     z = torch.arange(count, dtype=torch.int64, device=device) * _GOLDEN
     return _mix(z + torch.tensor(_SEEDS, dtype=torch.int64, device=device).unsqueeze(1))
 
