@@ -142,8 +142,9 @@ def one_allocation(
     pad=st.sampled_from([0, 4, 3]),
     start=st.integers(0, 5),
     spacing=st.lists(st.sampled_from([0, 0, 0, 8, 5]), min_size=7, max_size=7),
-    blocks=st.lists(st.integers(0, 5), min_size=1, max_size=8),
-    part=st.sampled_from([None, "head", "tail"]),
+    blocks=st.lists(st.integers(0, 23), min_size=1, max_size=14),
+    part=st.sampled_from([None, "head", "tail", "off a word"]),
+    rows_at_once=st.sampled_from([None, 1, 5]),
 )
 def test_buffers_in_one_allocation_digest_as_the_reference(
     layers: int,
@@ -153,14 +154,26 @@ def test_buffers_in_one_allocation_digest_as_the_reference(
     spacing: list[int],
     blocks: list[int],
     part: str | None,
+    rows_at_once: int | None,
 ) -> None:
     """Buffers equally far apart are read as one group; a different gap
     starts another; bases and strides off a 4-byte boundary are copied to
-    be read as words. The digest is the reference whatever the grouping."""
+    be read as words. More than 8 runs are gathered, ``rows_at_once`` rows
+    a chunk. The digest is the reference whatever the grouping."""
+    import transfer.checksum as checksum
+
     stride = block_bytes + pad if pad else 0
-    cache = one_allocation(layers, 6, block_bytes, spacing[: 2 * layers - 1], stride, start)
-    cut = {None: None, "head": (0, block_bytes // 2), "tail": (block_bytes // 3, block_bytes // 2)}
-    got = region_digest(cache, blocks, cut[part])
+    cache = one_allocation(layers, 24, block_bytes, spacing[: 2 * layers - 1], stride, start)
+    cut = {
+        None: None,
+        "head": (0, block_bytes // 2),
+        "tail": (block_bytes // 3, block_bytes // 2),
+        "off a word": (2, block_bytes // 4 * 4 - 4) if block_bytes >= 8 else (1, 4),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        if rows_at_once is not None:
+            mp.setattr(checksum, "_CHUNK_BYTES", rows_at_once * block_bytes * 2 * layers)
+        got = region_digest(cache, blocks, cut[part])
     assert got == reference(rows_of(cache, blocks, cut[part]))
     groups = cache.groups()
     assert sum(len(g) for g in groups) == cache.layout.num_buffers
@@ -170,6 +183,19 @@ def test_buffers_in_one_allocation_digest_as_the_reference(
     firsts = [g[i] for g in groups for i in range(len(g))]  # every buffer once, in order
     for b, rows in enumerate(firsts):
         assert torch.equal(rows, cache.rows(b))
+
+
+def test_two_storages_at_one_address_are_not_one_group() -> None:
+    """Two wrappers of one buffer, of different sizes: a group over the
+    smaller would reach past its storage."""
+    size = KVLayout(1, 4, 64).buffer_bytes
+    memory = bytearray(2 * size)
+    small = torch.frombuffer(memory, dtype=torch.uint8, count=size)
+    large = torch.frombuffer(memory, dtype=torch.uint8, count=2 * size)
+    cache = KVCache(KVLayout(1, 4, 64), tensors=[small, large[size:]])
+    cache.fill_seeded(3)
+    assert [len(g) for g in cache.groups()] == [1, 1]
+    assert region_digest(cache, [2, 0]) == reference(rows_of(cache, [2, 0]))
 
 
 def test_separate_allocations_are_a_group_each() -> None:

@@ -271,7 +271,10 @@ def _groups(views: Sequence[torch.Tensor], layout: KVLayout) -> tuple[torch.Tens
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    # Two storages may wrap one address with different sizes (from_buffer, DLPack):
+    # a view of one must not reach past it.
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return bool(sa.data_ptr() == sb.data_ptr() and sa.nbytes() == sb.nbytes())
 
 
 def _fill(t: torch.Tensor, gen: torch.Generator) -> None:

@@ -67,9 +67,25 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _weights(count: int, device: torch.device) -> torch.Tensor:
     """Odd splitmix64 outputs for indices ``[0, count)``, a row per seed of
-    ``_SEEDS`` (one set of torch calls for both)."""
+    ``_SEEDS`` (one set of torch calls for both; the seeds are Python ints: a
+    tensor of them would be a copy to the device, waiting for its queue)."""
     z = torch.arange(count, dtype=torch.int64, device=device) * _GOLDEN
-    return _mix(z + torch.tensor(_SEEDS, dtype=torch.int64, device=device).unsqueeze(1))
+    return _mix(torch.stack([z + seed for seed in _SEEDS]))  # seeds are below 2**63
+
+
+def _on_words(group: torch.Tensor, offset: int) -> bool:
+    """Every row of ``group`` from ``offset`` starts on a 4-byte boundary."""
+    return not ((group.storage_offset() + offset) % 4 or group.stride(0) % 4 or group.stride(1) % 4)
+
+
+def _singles(group: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``group``'s buffers as groups of one."""
+    _, rows, length = group.shape
+    step, first = group.stride(0), group.storage_offset()
+    shape, stride = (1, rows, length), (0, group.stride(1), 1)
+    return tuple(
+        torch.as_strided(group, shape, stride, first + i * step) for i in range(len(group))
+    )
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
@@ -108,9 +124,14 @@ def region_digest(
     words = length // word
     parts = next(n for n in (_PARTS, 8, 4, 2, 1) if words % n == 0)
     dev = cache.device
-    groups = cache.groups()
-    if word == 1:  # bytes summed across buffers at once took 4x as long here
-        groups = tuple(g[i : i + 1] for g in groups for i in range(len(g)))
+    # A group whose rows are not all on a word boundary would be copied whole
+    # to be read as words: read such a group buffer by buffer, as bytes too
+    # (summed across buffers at once they took 4x as long here).
+    groups = tuple(
+        one
+        for g in cache.groups()
+        for one in ((g,) if word == 4 and _on_words(g, offset) else _singles(g))
+    )
     runs = _runs(blocks)
     sliced = len(runs) <= _MAX_RUNS or (
         dev.type == "cpu" and length * len(blocks) >= _HOST_SLICE_BYTES * len(runs)
