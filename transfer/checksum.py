@@ -28,7 +28,9 @@ another head's offset), changes them except with probability about 2**-64
 per sum. Cost: on a host, one pass over the rows where a load's blocks are a
 few runs of neighbours or runs long enough that a copy costs more than one
 call per run (a host), else one gather of them first; then one weighting of
-the run sums (a sixteenth of a row each).
+the run sums (a sixteenth of a row each). Buffers equally far apart in one
+allocation (vLLM's layers) are read together (``KVCache.groups``): the torch
+calls, each of which may wait for the GIL, number per run, not per buffer.
 """
 
 from __future__ import annotations
