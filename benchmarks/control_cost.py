@@ -41,12 +41,13 @@ from kvguard.vllm.prefill_pushes import PrefillSender
 from transfer import KVCache, KVLayout, LocalBackend
 from transfer.peer_protocol import peer_message_of
 
-__all__ = ["main"]
+__all__ = ["cache_for", "main"]
 
 VARIANTS = ("plain", "verify", "curve", "curve+verify")
 
 
-def _cache(layout: KVLayout, per_buffer: bool) -> KVCache:
+def cache_for(layout: KVLayout, per_buffer: bool) -> KVCache:
+    """Zeroed buffers in one allocation, as vLLM 0.32 lays out its layers, or one each."""
     if per_buffer:
         return KVCache(layout)
     whole = torch.zeros(layout.num_buffers, layout.buffer_bytes, dtype=torch.uint8)
@@ -55,9 +56,9 @@ def _cache(layout: KVLayout, per_buffer: bool) -> KVCache:
 
 class _Pair:
     def __init__(self, layout: KVLayout, variant: str, keys: Path, per_buffer: bool) -> None:
-        self.src = _cache(layout, per_buffer)
+        self.src = cache_for(layout, per_buffer)
         self.src.fill_seeded(1)
-        self.dst = _cache(layout, per_buffer)
+        self.dst = cache_for(layout, per_buffer)
         self.backend = LocalBackend(workers=2)
         self.backend.register_source(self.src)
         info = self.backend.register_peer("decode:1", self.dst)

@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode
 
+from benchmarks.control_cost import cache_for
 from transfer import KVCache, KVLayout
 from transfer.checksum import region_digest
 
@@ -70,8 +70,7 @@ def _busy() -> Iterator[None]:
 
 
 def _caches(layout: KVLayout) -> dict[str, KVCache]:
-    whole = torch.zeros(layout.num_buffers, layout.buffer_bytes, dtype=torch.uint8)
-    out = {"grouped": KVCache(layout, tensors=list(whole)), "per buffer": KVCache(layout)}
+    out = {"grouped": cache_for(layout, False), "per buffer": cache_for(layout, True)}
     for cache in out.values():
         cache.fill_seeded(1)
     return out
