@@ -222,6 +222,7 @@ def test_torch_calls_do_not_grow_with_the_buffers_in_one_allocation() -> None:
 
     def calls(layers: int, blocks: list[int]) -> int:
         cache = one_allocation(layers, 40, 256, [0] * (2 * layers))
+        region_digest(cache, blocks, (64, 128))  # the weight table made
         Count.calls = 0
         with Count():
             got = region_digest(cache, blocks, (64, 128))
@@ -232,7 +233,27 @@ def test_torch_calls_do_not_grow_with_the_buffers_in_one_allocation() -> None:
     scattered = list(range(0, 40, 3))  # 14 runs of one: gathered
     assert calls(1, runs) == calls(32, runs)
     assert calls(1, scattered) == calls(32, scattered)
-    assert calls(1, runs) < 64  # the per-buffer loop made 94 here, 1,706 for 32 layers
+    # The per-buffer loop made 94 here (1,706 for 32 layers); weights made
+    # per digest, 55; from their table, with views for reshapes, 38.
+    assert calls(1, runs) <= 38
+
+
+def test_weights_come_from_a_table_that_equals_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's weights are a prefix of a table kept per device: the same
+    values as made fresh, at every size the table grows through and past it."""
+    from transfer import checksum
+
+    monkeypatch.setattr(checksum, "_tables", {})
+    monkeypatch.setattr(checksum, "_TABLE_MAX", 4096)
+    cpu = torch.device("cpu")
+    for count in (1, 3, 1024, 1025, 5, 2048, 4095, 4096, 4097, 10_000, 7):
+        got = checksum._weights(count, cpu)
+        assert torch.equal(got, checksum._fresh_weights(count, cpu)), count
+    assert checksum._tables[cpu].shape == (2, 4096)  # never past its bound
+    assert checksum._weights(9, cpu).data_ptr() == checksum._tables[cpu].data_ptr()
+    table = checksum._weights(1500, cpu).tolist()  # the reference's weights, both seeds
+    for row, seed in zip(table, checksum._SEEDS, strict=True):
+        assert [v % (1 << 64) for v in row] == [splitmix(k, seed) for k in range(1500)]
 
 
 @settings(max_examples=200, deadline=None)

@@ -28,7 +28,8 @@ another head's offset), changes them except with probability about 2**-64
 per sum. Cost: on a host, one pass over the rows where a load's blocks are a
 few runs of neighbours or runs long enough that a copy costs more than one
 call per run (a host), else one gather of them first; then one weighting of
-the run sums (a sixteenth of a row each). Buffers equally far apart in one
+the run sums (a sixteenth of a row each; the weights are a prefix of a table
+kept per device). Buffers equally far apart in one
 allocation (vLLM's layers) are read together (``KVCache.groups``): the torch
 calls, each of which may wait for the GIL, number per run, not per buffer.
 """
@@ -53,6 +54,7 @@ _MAX_RUNS: Final = 8  # at most this many runs of neighbour blocks: sliced, not 
 # (microseconds). A device gathers any number of runs in one cheap kernel.
 _HOST_SLICE_BYTES: Final = 16 << 10
 _SEEDS: Final = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # one per 8-byte half
+_TABLE_MAX: Final = 1 << 19  # weights kept per device (8 MiB); more are made per digest
 
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic):
@@ -67,12 +69,30 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _weights(count: int, device: torch.device) -> torch.Tensor:
+def _fresh_weights(count: int, device: torch.device) -> torch.Tensor:
     """Odd splitmix64 outputs for indices ``[0, count)``, a row per seed of
     ``_SEEDS`` (one set of torch calls for both; the seeds are Python ints: a
     tensor of them would be a copy to the device, waiting for its queue)."""
     z = torch.arange(count, dtype=torch.int64, device=device) * _GOLDEN
     return _mix(torch.stack([z + seed for seed in _SEEDS]))  # seeds are below 2**63
+
+
+# Weights depend on the index alone, so a load's are a prefix of a table kept
+# per device: one call (a slice) instead of seventeen, each of which may wait
+# for the GIL beside vLLM's busy threads. Replaced, never changed in place, so
+# a reader on another thread keeps a whole table.
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(count: int, device: torch.device) -> torch.Tensor:
+    """``_fresh_weights(count, device)``, from the device's table where it fits."""
+    if count > _TABLE_MAX:
+        return _fresh_weights(count, device)
+    table = _tables.get(device)
+    if table is None or table.shape[1] < count:
+        size = min(_TABLE_MAX, 1 << max(10, (count - 1).bit_length()))
+        table = _tables[device] = _fresh_weights(size, device)
+    return table[:, :count]
 
 
 def _on_words(group: torch.Tensor, offset: int) -> bool:
@@ -107,6 +127,11 @@ def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _joined(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``tensors`` joined along ``dim``, without a call for one tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def region_digest(
     cache: KVCache, blocks: Sequence[int], part: tuple[int, int] | None = None
 ) -> bytes:
@@ -122,6 +147,8 @@ def region_digest(
     for i, blk in enumerate(blocks):  # bool and float ids are bugs, not blocks
         if type(blk) is not int or not 0 <= blk < lay.num_blocks:
             raise ValueError(f"blocks[{i}] = {blk!r} out of range [0, {lay.num_blocks})")
+    if not blocks:
+        return bytes(DIGEST_BYTES)  # no rows: both sums are 0
     word = 4 if length % 4 == 0 else 1
     words = length // word
     parts = next(n for n in (_PARTS, 8, 4, 2, 1) if words % n == 0)
@@ -144,9 +171,11 @@ def region_digest(
             torch.tensor(blocks[lo : lo + step], dtype=torch.int64, device=dev)
             for lo in range(0, len(blocks), step)
         ]
-    # A torch call per group and run, not per buffer: each call may wait for
-    # the GIL, and vLLM's worker thread holds it between steps.
-    sums = [torch.zeros(0, dtype=torch.int32, device=dev)]
+    # A torch call per group and run, not per buffer: each call that computes
+    # releases the GIL and may wait up to 5 ms to take it back beside vLLM's
+    # busy threads. Views and slices keep it, so: ``view``, not ``reshape``
+    # or ``flatten`` (rows end in contiguous bytes), and no ``cat`` of one.
+    sums = []
     for group in groups:
         view = group[:, :, offset : offset + length]
         pieces = (
@@ -162,9 +191,8 @@ def region_digest(
                 rows = rows.clone(memory_format=torch.contiguous_format)  # off a word: copied
             data = rows.view(torch.int32) if word == 4 else rows
             n, r = data.shape[:2]
-            totals.append(data.reshape(n, r, parts, words // parts).sum(dim=3, dtype=torch.int32))
-        if totals:  # buffer by buffer, each one's rows in the order given
-            sums.append((torch.cat(totals, dim=1) if len(totals) > 1 else totals[0]).flatten())
-    flat = torch.cat(sums).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
+            totals.append(data.view(n, r, parts, words // parts).sum(dim=3, dtype=torch.int32))
+        sums.append(_joined(totals, 1).view(-1))  # buffer by buffer, rows in the order given
+    flat = _joined(sums, 0).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
     acc = (flat * _weights(flat.numel(), dev)).sum(dim=1)  # one per seed
     return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync
