@@ -199,6 +199,30 @@ def test_the_verifier_names_blocks_it_cannot_digest() -> None:
     assert got.detail == "cannot digest the blocks here: blocks[0] = 99 out of range [0, 16)"
 
 
+def test_a_digest_that_raises_fails_the_load_instead_of_losing_its_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device error while reading the blocks: the Result still reaches the
+    core, failed with ``integrity`` and why, not dropped until a deadline."""
+    import kvguard.vllm.integrity as integrity
+
+    def broken(*_: object) -> bytes:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(integrity, "region_digest", broken)
+    v = Verifier(_cache())
+    v.expect("a", [1], None)
+    got = v.checked(Result("r", "a", True, digest=bytes(DIGEST_BYTES)))
+    assert got == Result(
+        "r",
+        "a",
+        False,
+        "integrity",
+        "cannot digest the blocks here: CUDA error: an illegal memory access",
+        bytes(DIGEST_BYTES),
+    )
+
+
 @pytest.mark.usefixtures("all_levels")
 def test_a_digest_the_prefill_cannot_make_is_empty_and_logged(
     monkeypatch: pytest.MonkeyPatch,

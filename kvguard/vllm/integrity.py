@@ -75,7 +75,7 @@ class Verifier:
             return res
         try:
             mine = region_digest(self.cache, *cover)
-        except ValueError as exc:  # this side's own blocks: a bug, reported as one
+        except Exception as exc:  # any (bad ids, a device error): a raise would lose the Result
             mine, why = b"", f"cannot digest the blocks here: {exc}"
         else:
             why = (
