@@ -63,6 +63,7 @@ class Pair:
         wrap: Callable[[LocalBackend], TransferBackend] = lambda b: b,
         server_keys: ServerKeys | None = None,
         client_keys: ClientKeys | None = None,
+        sum_early: bool = True,
     ) -> None:
         """``wrap``: what the sender moves bytes with, around the backend;
         ``server_keys``, ``client_keys``: CURVE on the control channel."""
@@ -79,6 +80,7 @@ class Pair:
             heads=prefill_heads,
             head_major=prefill_heads is not None,
             curve=server_keys,
+            sum_early=sum_early,
         )
         self.verifier = Verifier(self.dst) if verify else None
         self.receiver = DecodeReceiver(

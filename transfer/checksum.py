@@ -43,7 +43,7 @@ import torch
 
 from .cache import KVCache
 
-__all__ = ["DIGEST_BYTES", "region_digest"]
+__all__ = ["DIGEST_BYTES", "BlockSums", "region_digest"]
 
 DIGEST_BYTES: Final = 16
 _PARTS: Final = 16
@@ -140,6 +140,67 @@ def region_digest(
 
     ValueError names a block id out of range or a part outside a block.
     """
+    return _weigh([s.view(-1) for s in _group_sums(cache, blocks, part)], cache.device)
+
+
+class BlockSums:
+    """Whole blocks' run sums, read once (while the blocks are held, before
+    anyone asks for them) and weighed for any of those blocks later:
+    ``digest(some)`` is ``region_digest(cache, some)`` without reading the
+    blocks again. They take 64 bytes per block and buffer (a thousandth of a
+    64 KiB row).
+
+    Valid only while nothing writes the blocks: the holder's to ensure.
+    """
+
+    def __init__(self, cache: KVCache, blocks: Sequence[int]) -> None:
+        """ValueError names a block id out of range."""
+        self.device = cache.device
+        self._sums = _group_sums(cache, blocks, None)  # per group: (buffers, blocks, parts)
+        self._where: dict[int, int] = {}  # block id -> its row in the sums (the first)
+        for i, blk in enumerate(blocks):
+            self._where.setdefault(blk, i)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._where
+
+    def digest(self, blocks: Sequence[int]) -> bytes:
+        """``region_digest`` of whole ``blocks``; KeyError names one not read here."""
+        rows = []
+        for blk in blocks:
+            if blk not in self._where:
+                raise KeyError(f"block {blk!r} is not among the blocks summed")
+            rows.append(self._where[blk])
+        if not rows:
+            return bytes(DIGEST_BYTES)
+        (lo, hi), *more = _runs(rows)
+        if more:
+            ids = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            picked = [s.index_select(1, ids).view(-1) for s in self._sums]
+        else:  # one run (a decode that has none of them, or a prefix): sliced
+            picked = [s[:, lo:hi].reshape(-1) for s in self._sums]
+        return _weigh(picked, self.device)
+
+
+def _weigh(sums: list[torch.Tensor], dev: torch.device) -> bytes:
+    """The digest of run sums (int32, in order): each one's sum modulo 2**32
+    times its weight, summed modulo 2**64, once per seed."""
+    if not sums:
+        return bytes(DIGEST_BYTES)
+    flat = _joined(sums, 0).to(torch.int64) & 0xFFFFFFFF
+    acc = (flat * _weights(flat.numel(), dev)).sum(dim=1)  # one per seed
+    return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync
+
+
+def _group_sums(
+    cache: KVCache, blocks: Sequence[int], part: tuple[int, int] | None
+) -> list[torch.Tensor]:
+    """The run sums (int32) of ``blocks``' ``part``, per group of buffers read
+    together, each ``(buffers, len(blocks), parts)``: in digest order once
+    flattened; none for no blocks.
+
+    ValueError names a block id out of range or a part outside a block.
+    """
     lay = cache.layout
     offset, length = (0, lay.block_bytes) if part is None else part
     if not (offset >= 0 and length > 0 and offset + length <= lay.block_bytes):
@@ -148,7 +209,7 @@ def region_digest(
         if type(blk) is not int or not 0 <= blk < lay.num_blocks:
             raise ValueError(f"blocks[{i}] = {blk!r} out of range [0, {lay.num_blocks})")
     if not blocks:
-        return bytes(DIGEST_BYTES)  # no rows: both sums are 0
+        return []  # no rows: both sums are 0
     word = 4 if length % 4 == 0 else 1
     words = length // word
     parts = next(n for n in (_PARTS, 8, 4, 2, 1) if words % n == 0)
@@ -175,7 +236,7 @@ def region_digest(
     # releases the GIL and may wait up to 5 ms to take it back beside vLLM's
     # busy threads. Views and slices keep it, so: ``view``, not ``reshape``
     # or ``flatten`` (rows end in contiguous bytes), and no ``cat`` of one.
-    sums = []
+    sums: list[torch.Tensor] = []
     for group in groups:
         view = group[:, :, offset : offset + length]
         pieces = (
@@ -192,7 +253,5 @@ def region_digest(
             data = rows.view(torch.int32) if word == 4 else rows
             n, r = data.shape[:2]
             totals.append(data.view(n, r, parts, words // parts).sum(dim=3, dtype=torch.int32))
-        sums.append(_joined(totals, 1).view(-1))  # buffer by buffer, rows in the order given
-    flat = _joined(sums, 0).to(torch.int64) & 0xFFFFFFFF  # each run's sum modulo 2**32
-    acc = (flat * _weights(flat.numel(), dev)).sum(dim=1)  # one per seed
-    return b"".join((v % (1 << 64)).to_bytes(8, "little") for v in acc.tolist())  # one sync
+        sums.append(_joined(totals, 1))  # buffer by buffer, rows in the order given
+    return sums

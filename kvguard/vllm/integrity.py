@@ -14,12 +14,13 @@ decodes from KV that is not the prefill's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import msgspec
 import structlog
 
 from transfer.cache import KVCache
-from transfer.checksum import region_digest
+from transfer.checksum import BlockSums, region_digest
 from transfer.plan import BlockSlice
 
 from .protocol import Result, truncate
@@ -32,11 +33,25 @@ _log = structlog.get_logger("kvguard.vllm.integrity")
 Part = tuple[int, int]  # (offset, length) of each block written
 
 
-def source_digest(cache: KVCache, blocks: Sequence[int], part: BlockSlice | None) -> bytes:
+def source_digest(
+    cache: KVCache,
+    blocks: Sequence[int],
+    part: BlockSlice | None,
+    early: Future[BlockSums] | None = None,
+) -> bytes:
     """The prefill's digest of what it writes: ``blocks``' source slice; empty
-    (the decode then fails the load) where none can be made."""
+    (the decode then fails the load) where none can be made. ``early``: the
+    hold's blocks read as it began, weighed here for whole blocks it has
+    (made first on the same one-thread executor, so never waited for)."""
     cut = None if part is None else (part.src_offset, part.length)
     try:
+        sums = None if early is None or part is not None else early.result()
+    except Exception as exc:  # its blocks are read again below
+        _log.warning("early_sums_failed", error=str(exc))
+        sums = None
+    try:
+        if sums is not None and all(b in sums for b in blocks):
+            return sums.digest(blocks)
         return region_digest(cache, blocks, cut)
     except Exception as exc:  # any: a raise here would lose the load's Result
         _log.error("digest_failed", blocks=len(blocks), part=cut, error=str(exc))

@@ -87,6 +87,9 @@ class PrefillCore:
     def holding(self) -> int:
         return len(self._holds)
 
+    def is_held(self, rid: str) -> bool:
+        return rid in self._holds
+
     def held_blocks(self) -> int:
         return sum(len(h.blocks) for h in self._holds.values())
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import structlog
@@ -39,6 +39,7 @@ from lifecycle import TransferState
 from scheduler import Finished, RetryPolicy, Scheduler
 from transfer import TransferBackend
 from transfer.cache import KVCache
+from transfer.checksum import BlockSums
 from transfer.errors import PeerProtocolError
 
 from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
@@ -81,6 +82,7 @@ class PrefillSender:
         heads: RankHeads | None = None,
         head_major: bool = False,
         curve: ServerKeys | None = None,
+        sum_early: bool = True,
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
         faults: a wrapper forwards each decode's regions to what it wraps);
@@ -91,7 +93,11 @@ class PrefillSender:
         that queues them). ``heads``: the KV heads this tensor parallel rank
         holds; a decode rank holding others gets the heads both hold, which
         needs heads outermost in a block (``head_major``). ``curve``: only
-        decodes holding an allowed key may talk (``kvguard.curve``)."""
+        decodes holding an allowed key may talk (``kvguard.curve``).
+        ``sum_early``: read each hold's blocks for a digest as the hold
+        begins, so that a decode asking for whole blocks verified finds its
+        digest (nearly) made and the engine's transfer does not share the
+        CPUs with it."""
         self._core = PrefillCore(
             compat=compat,
             renew_s=renew_s,
@@ -116,6 +122,10 @@ class PrefillSender:
         # until its Result goes out (and waits for it then, if it must).
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvguard-digest")
         self._digests: dict[tuple[str, str], Future[bytes]] = {}  # sender thread only
+        # Each hold's whole blocks read as it begins (``sum_early``), until it
+        # is released; a digest of whole blocks weighs them instead.
+        self._sum_early = sum_early
+        self._sums: dict[str, Future[BlockSums]] = {}  # sender thread only
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
@@ -220,7 +230,11 @@ class PrefillSender:
             now = time.monotonic()
             if len(item) == 3:
                 rid, blocks, deadline = item
-                self._apply(core.hold(rid, blocks, deadline, now), later)
+                acts = core.hold(rid, blocks, deadline, now)
+                if self._sum_early and core.is_held(rid) and rid not in self._sums:
+                    # before the pushes the hold starts: the digester runs in order
+                    self._sums[rid] = self._digester.submit(BlockSums, self._cache, blocks)
+                self._apply(acts, later)
             else:
                 rid, load_id, end, detail = item
                 self._apply(core.released(rid, load_id, end, detail, now), later)
@@ -238,7 +252,11 @@ class PrefillSender:
         # published (vLLM may write the blocks once it takes the id).
         releasing = {a.request_id for a in later if isinstance(a, Release)}
         if releasing:  # most turns release nothing: no scan of the digests
-            wait([made for (rid, _), made in self._digests.items() if rid in releasing])
+            reads: list[Future[Any]] = [
+                made for (rid, _), made in self._digests.items() if rid in releasing
+            ]
+            reads += [self._sums.pop(rid) for rid in releasing & self._sums.keys()]
+            wait(reads)
         # Stats first: whoever hears of a release or an answer finds it counted.
         denied = 0 if self._guard is None else self._guard.denied
         with self._lock:
@@ -306,7 +324,8 @@ class PrefillSender:
             detail = truncate(repr(exc))
             return self._core.submit_failed(act.request_id, act.load_id, detail, time.monotonic())
         if act.verify:  # the source is held, unchanged: digest it while the engine moves it
-            made = self._digester.submit(source_digest, self._cache, act.src, act.part)
+            early = self._sums.get(act.request_id)
+            made = self._digester.submit(source_digest, self._cache, act.src, act.part, early)
             self._digests[act.request_id, act.load_id] = made
         return []
 

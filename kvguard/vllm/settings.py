@@ -53,6 +53,7 @@ class Settings:
     cpus: str = ""
     # decode: check each load's digest against the prefill's (``integrity``);
     # a mismatch fails the load, and vLLM's kv_load_failure_policy applies.
+    # prefill: read each hold's blocks for it as the hold begins.
     verify: bool = True
     # CURVE keys of the control channel (kvguard.curve), paths: this side's
     # NAME.key_secret; prefill: a directory of the decodes' allowed NAME.key

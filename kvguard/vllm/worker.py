@@ -221,6 +221,7 @@ class KVGuardWorker:
                 heads=self.rank,
                 head_major=self.head_major,
                 curve=keys,
+                sum_early=s.verify,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
