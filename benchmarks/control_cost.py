@@ -65,10 +65,13 @@ class _Pair:
         curve = variant.startswith("curve")
         server = ServerKeys.load(keys / "p.key_secret", keys / "allowed") if curve else None
         client = ClientKeys.load(keys / "d.key_secret", keys / "p.key") if curve else None
-        self.sender = PrefillSender(self.backend, self.src, "tcp://127.0.0.1:0", curve=server)
+        verify = variant.endswith("verify")  # kvguard_verify, on both sides
+        self.sender = PrefillSender(
+            self.backend, self.src, "tcp://127.0.0.1:0", curve=server, sum_early=verify
+        )
         self.receiver = DecodeReceiver(
             peer_message_of(info),
-            verify=Verifier(self.dst) if variant.endswith("verify") else None,
+            verify=Verifier(self.dst) if verify else None,
             curve=client,
         )
         self.n = 0

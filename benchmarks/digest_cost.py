@@ -10,19 +10,23 @@ per buffer and run (``KVCache.groups``).
 
 Two caches of the same layout, digested alternately round by round:
 ``grouped`` (one allocation, as vLLM's) and ``per buffer`` (an allocation
-each: a call per buffer, as before groups). Each is timed alone and beside
-a thread running Python. Reported: the median time of one digest and the
-torch calls it made.
+each: a call per buffer, as before groups). Or, with ``--against REV``,
+this tree's digest and the one at git revision REV, of the same cache in
+one allocation. Each is timed alone and beside a thread running Python.
+Reported: the median time of one digest and the torch calls it made.
 
     python -m benchmarks.digest_cost [--layers 11] [--blocks 54] [--block-bytes 47616]
+    python -m benchmarks.digest_cost --against d855e0f
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -69,11 +73,32 @@ def _busy() -> Iterator[None]:
         thread.join()
 
 
-def _caches(layout: KVLayout) -> dict[str, KVCache]:
-    out = {"grouped": cache_for(layout, False), "per buffer": cache_for(layout, True)}
-    for cache in out.values():
-        cache.fill_seeded(1)
-    return out
+Digest = Callable[[KVCache, Sequence[int]], bytes]
+
+
+def _digest_at(rev: str) -> Digest:
+    """``region_digest`` as ``transfer/checksum.py`` was at git revision ``rev``."""
+    src = subprocess.run(
+        ["git", "show", f"{rev}:transfer/checksum.py"], capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"transfer._checksum_at_{rev}")
+    module.__package__ = "transfer"  # its ``from .cache import KVCache``
+    exec(compile(src, f"{rev}:transfer/checksum.py", "exec"), module.__dict__)
+    fn: Digest = module.region_digest
+    return fn
+
+
+def _variants(layout: KVLayout, against: str) -> dict[str, tuple[KVCache, Digest]]:
+    """What is timed: this tree's digest of a cache in one allocation, and of
+    one with an allocation per buffer; or, ``against`` a revision, this
+    tree's and that revision's digest of the same cache in one allocation."""
+    grouped = cache_for(layout, False)
+    grouped.fill_seeded(1)
+    if against:
+        return {"this tree": (grouped, region_digest), against: (grouped, _digest_at(against))}
+    apart = cache_for(layout, True)
+    apart.fill_seeded(1)
+    return {"grouped": (grouped, region_digest), "per buffer": (apart, region_digest)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,37 +107,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=54, help="blocks per load, one run")
     parser.add_argument("--block-bytes", type=int, default=47616, help="per buffer")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--digests", type=int, default=10, help="per cache, round and setting")
+    parser.add_argument("--digests", type=int, default=10, help="per variant, round and setting")
+    parser.add_argument(
+        "--against", default="", help="a git revision: its digest against this tree's"
+    )
     args = parser.parse_args(argv)
     layout = KVLayout(args.layers, args.blocks + 8, args.block_bytes)
-    caches = _caches(layout)
+    variants = _variants(layout, args.against)
     blocks = list(range(4, 4 + args.blocks))
-    first = {name: region_digest(c, blocks) for name, c in caches.items()}
+    first = {name: digest(c, blocks) for name, (c, digest) in variants.items()}
     if len(set(first.values())) != 1:
-        raise SystemExit(f"the caches digest differently: {first}")
+        raise SystemExit(f"the variants digest differently: {first}")
     calls = {}
-    for name, cache in caches.items():
+    for name, (cache, digest) in variants.items():
         _Calls.count = 0
         with _Calls():
-            region_digest(cache, blocks)
+            digest(cache, blocks)
         calls[name] = _Calls.count
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for setting in ("alone", "beside a busy thread"):
-            for name, cache in caches.items():
+            for name, (cache, digest) in variants.items():
                 with _busy() if setting != "alone" else _nothing():
                     for _ in range(args.digests):
                         t0 = time.perf_counter()
-                        region_digest(cache, blocks)
+                        digest(cache, blocks)
                         times.setdefault((name, setting), []).append(time.perf_counter() - t0)
     mb = layout.num_buffers * args.blocks * args.block_bytes / 1e6
     print(
         f"{mb:.1f} MB a load over {layout.num_buffers} buffers, {args.rounds} rounds x "
-        f"{args.digests} digests, caches and settings interleaved"
+        f"{args.digests} digests, variants and settings interleaved"
     )
-    print("| cache | torch calls | alone, ms p50 | beside a busy thread, ms p50 |")
+    print("| variant | torch calls | alone, ms p50 | beside a busy thread, ms p50 |")
     print("|---|---|---|---|")
-    for name in caches:
+    for name in variants:
         alone = statistics.median(times[name, "alone"]) * 1e3
         busy = statistics.median(times[name, "beside a busy thread"]) * 1e3
         print(f"| {name} | {calls[name]} | {alone:.1f} | {busy:.1f} |")
