@@ -10,10 +10,12 @@ placement, and no digest at all for a block it never read.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_checksum import cache_of, one_allocation, reference, rows_of
+from transfer import KVCache
 from transfer.checksum import DIGEST_BYTES, BlockSums, region_digest
 
 
@@ -80,3 +82,21 @@ def test_bad_held_blocks_are_named_as_the_digest_names_them() -> None:
         BlockSums(cache_of(8, 64), [0, 8])
     with pytest.raises(ValueError, match=r"blocks\[0\] = True out of range"):
         BlockSums(cache_of(8, 64), [True])  # type: ignore[list-item]
+
+
+def test_the_sums_stay_on_the_caches_device() -> None:
+    cache = cache_of(8, 64)
+    assert BlockSums(cache, [1]).device == cache.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_hold_is_summed_and_weighed_on_the_device() -> None:
+    """The weights, the gather of scattered rows and the sums are device
+    tensors; only the 16-byte digest reaches the host."""
+    host = cache_of(16, 256)
+    dev = KVCache(host.layout, device="cuda")
+    for b in range(host.layout.num_buffers):
+        dev.rows(b).copy_(host.rows(b))
+    sums = BlockSums(dev, [15, 0, 7, 3, 4])
+    for asked in ([7, 3, 4], [4, 15], [15, 0, 7, 3, 4]):
+        assert sums.digest(asked) == region_digest(host, asked)
