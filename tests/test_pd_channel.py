@@ -910,6 +910,30 @@ def test_a_push_that_cannot_start_is_answered_at_once_and_touches_nothing(
         sock.close()
 
 
+def test_a_push_read_before_its_hold_that_cannot_start_is_answered_at_the_hold(
+    pair: Pair,
+) -> None:
+    """A push waiting for its hold is checked against it when it comes: the
+    refusal is the hold's turn's answer, and the hold stays for others."""
+    sock = raw_decode(pair)
+    try:
+        sock.send(encode(push_of(pair, "r1", "d1", blocks=[2, 3, 4])))
+        assert not sock.poll(100)  # it waits for the hold
+        pair.sender.hold("r1", [1], time.monotonic() + 5)
+        res = answer(sock)
+        assert (res.request_id, res.load_id, res.ok, res.reason) == (
+            "r1",
+            "d1",
+            False,
+            "bad_request",
+        )
+        assert "decode asks for 3 blocks" in res.detail
+        assert pair.sender.stats.pushed == 0 and pair.sender.stats.refused == 1
+        assert pair.sender.holding() == 1
+    finally:
+        sock.close()
+
+
 def test_a_refused_load_pushed_again_starts_nothing(pair: Pair) -> None:
     """A decode re-sends its push on a new connection (the old one stalled
     and may have delivered it): once refused, the same load must not start,
