@@ -50,15 +50,28 @@ def _unread(monkeypatch: pytest.MonkeyPatch, pair: Pair) -> list[object]:
     return tried
 
 
+def _held(pair: Pair, rid: str, blocks: list[int]) -> None:
+    """Hold ``blocks`` as ``rid`` and wait until their early read began (one
+    still queued when a push needs it is cancelled: the backlog case)."""
+    pair.sender.hold(rid, blocks, time.monotonic() + 10)
+    pair.until(lambda: rid in pair.sender._sums and not _queued(pair.sender._sums[rid]))
+
+
+def _queued(made: Future[Any]) -> bool:
+    return not (made.running() or made.done())
+
+
 def test_a_whole_block_load_is_digested_from_the_holds_sums(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pair = Pair()
     tried = _unread(monkeypatch, pair)
     try:
+        _held(pair, "r1", [1, 2, 3])
         out = pair.load("r1", [1, 2, 3], [9, 4, 11])
         assert (out.end, out.detail, out.fenced) == (LoadEnd.LOADED, "", False)
         pair.backend.garble = (pair.dst, [5, 6], flip)
+        _held(pair, "r2", [7, 8])
         out = pair.load("r2", [7, 8], [5, 6])
         assert out.end is LoadEnd.INTEGRITY and out.detail.startswith("digest ")
         assert tried == []
@@ -165,11 +178,55 @@ def test_a_hold_the_core_ignores_is_not_read(monkeypatch: pytest.MonkeyPatch) ->
         pair.sender.hold("r0", [5], time.monotonic() + 0.01)
         pair.until(lambda: "r0" in pair.released)
         pair.sender.hold("r0", [5], time.monotonic() + 10)  # just released: ignored
-        pair.sender.hold("r1", [1, 2], time.monotonic() + 10)
+        _held(pair, "r1", [1, 2])
         pair.sender.hold("r1", [3], time.monotonic() + 10)  # held: ignored
+        _held(pair, "r2", [4])
         out = pair.load("r2", [4], [6])
         assert out.end is LoadEnd.LOADED and gate.is_set()
-        assert reads == [[5], [1, 2], [4]]
+        # r0's read may have been cancelled before it began: it expired at once
+        assert reads in ([[5], [1, 2], [4]], [[1, 2], [4]])
         assert set(pair.sender._sums) == {"r1"}  # nothing kept for a hold not taken
     finally:
+        pair.close()
+
+
+def test_a_read_still_queued_is_cancelled_and_nobody_waits_for_the_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many holds at once queue their reads. A push whose hold's read has
+    not begun reads its blocks itself, and that hold is released without
+    waiting for the reads ahead of it: its own read never runs."""
+    gate = threading.Event()
+    reads: list[list[int]] = []
+
+    class Gated(BlockSums):
+        def __init__(self, cache: KVCache, blocks: list[int]) -> None:
+            reads.append(list(blocks))
+            assert gate.wait(10), "never let go"
+            super().__init__(cache, blocks)
+
+    monkeypatch.setattr(prefill_pushes, "BlockSums", Gated)
+    pair = Pair()
+    tried: list[object] = []
+    real = integrity.region_digest
+
+    def read(cache: KVCache, *args: Any) -> bytes:
+        if cache is pair.src:
+            tried.append(args)
+        return real(cache, *args)
+
+    monkeypatch.setattr(integrity, "region_digest", read)
+    try:
+        _held(pair, "r1", [1, 2])  # its read blocks the reader
+        out = pair.load("r2", [3, 4], [9, 4])  # r2's read waits behind it
+        assert (out.end, out.detail, out.fenced) == (LoadEnd.LOADED, "", False)
+        assert "r2" in pair.released and "r1" not in pair.released
+        assert reads == [[1, 2]] and pair.sender._sums.keys() == {"r1"}
+        assert tried == [([3, 4], None)]  # read at push time, as without early reads
+        gate.set()
+        out = pair.load("r1", [1, 2], [5, 6])  # now read early: weighed
+        assert out.end is LoadEnd.LOADED and reads == [[1, 2]]
+        assert tried == [([3, 4], None)]
+    finally:
+        gate.set()
         pair.close()

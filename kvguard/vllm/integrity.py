@@ -41,14 +41,16 @@ def source_digest(
 ) -> bytes:
     """The prefill's digest of what it writes: ``blocks``' source slice; empty
     (the decode then fails the load) where none can be made. ``early``: the
-    hold's blocks read as it began, weighed here for whole blocks it has
-    (made first on the same one-thread executor, so never waited for)."""
+    hold's blocks read as it began, weighed here for whole blocks it has;
+    still queued, it is cancelled and the blocks read here (never a wait
+    for more than the one read running)."""
     cut = None if part is None else (part.src_offset, part.length)
-    try:
-        sums = None if early is None or part is not None else early.result()
-    except Exception as exc:  # its blocks are read again below
-        _log.warning("early_sums_failed", error=str(exc))
-        sums = None
+    sums = None
+    if early is not None and part is None and not early.cancel():
+        try:
+            sums = early.result()  # done, or running: its end is near
+        except Exception as exc:  # the blocks are read below
+            _log.warning("early_sums_failed", error=str(exc))
     try:
         if sums is not None and all(b in sums for b in blocks):
             return sums.digest(blocks)

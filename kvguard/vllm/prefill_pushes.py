@@ -122,9 +122,14 @@ class PrefillSender:
         # until its Result goes out (and waits for it then, if it must).
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvguard-digest")
         self._digests: dict[tuple[str, str], Future[bytes]] = {}  # sender thread only
-        # Each hold's whole blocks read as it begins (``sum_early``), until it
-        # is released; a digest of whole blocks weighs them instead.
+        # Each hold's whole blocks read as it begins (``sum_early``), on a
+        # thread of their own so that no push's digest queues behind them,
+        # until the hold is released; a digest of whole blocks weighs them
+        # instead. A read not yet started when it is needed (a backlog: many
+        # holds at once) is cancelled, and the blocks are read as before: no
+        # one ever waits for more than one read already running.
         self._sum_early = sum_early
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvguard-read")
         self._sums: dict[str, Future[BlockSums]] = {}  # sender thread only
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
@@ -204,6 +209,7 @@ class PrefillSender:
         self._thread.join(timeout)
         self._inbox.close()
         self._digester.shutdown(wait=True, cancel_futures=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._sched.close(timeout=timeout)
         self._sock.close()
         if self._guard is not None:
@@ -232,8 +238,8 @@ class PrefillSender:
                 rid, blocks, deadline = item
                 acts = core.hold(rid, blocks, deadline, now)
                 if self._sum_early and core.is_held(rid) and rid not in self._sums:
-                    # before the pushes the hold starts: the digester runs in order
-                    self._sums[rid] = self._digester.submit(BlockSums, self._cache, blocks)
+                    # before the pushes the hold starts, which may use it
+                    self._sums[rid] = self._reader.submit(BlockSums, self._cache, blocks)
                 self._apply(acts, later)
             else:
                 rid, load_id, end, detail = item
@@ -255,7 +261,10 @@ class PrefillSender:
             reads: list[Future[Any]] = [
                 made for (rid, _), made in self._digests.items() if rid in releasing
             ]
-            reads += [self._sums.pop(rid) for rid in releasing & self._sums.keys()]
+            for rid in releasing & self._sums.keys():
+                early = self._sums.pop(rid)
+                if not early.cancel():  # running (or done): it reads the blocks
+                    reads.append(early)
             wait(reads)
         # Stats first: whoever hears of a release or an answer finds it counted.
         denied = 0 if self._guard is None else self._guard.denied
