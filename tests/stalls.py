@@ -31,14 +31,16 @@ __all__ = ["GAP_S", "HostStall", "Stall", "StallWatch"]
 GAP_S: Final = 2.0  # a wake this late is a stopped CPU, not a busy one
 
 # One per CPU: pinned, it sleeps 50 ms at a time and logs "cpu start gap"
-# (wall-clock seconds, as pytest's CallInfo) for each wake GAP_S late.
+# (wall-clock seconds, as pytest's CallInfo) for each wake GAP_S late. It
+# ends with the test process: one killed (a mutation run's timeout) never
+# calls ``close``, and its monitors' wakes would load every run after it.
 _MONITOR: Final = """
 import os, sys, time
-cpu, gap, path = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+cpu, gap, path, parent = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 os.sched_setaffinity(0, {cpu})
 out = open(path, "a", buffering=1)
 prev = time.time()
-while True:
+while os.getppid() == parent:
     time.sleep(0.05)
     now = time.time()
     if now - prev > gap:
@@ -73,7 +75,7 @@ class StallWatch:
         path.write_text("")
         self._procs = [
             subprocess.Popen(
-                [sys.executable, "-c", _MONITOR, str(cpu), str(GAP_S), str(path)],
+                [sys.executable, "-c", _MONITOR, str(cpu), str(GAP_S), str(path), str(os.getpid())],
                 stdin=subprocess.DEVNULL,
             )
             for cpu in sorted(os.sched_getaffinity(0))

@@ -56,3 +56,48 @@ def test_a_line_still_being_written_is_not_read(tmp_path: Path) -> None:
         assert watch.stalls()[0].end == 1003.5
     finally:
         watch.close()
+
+
+def test_monitors_end_with_a_test_process_that_was_killed(tmp_path: Path) -> None:
+    """A killed test process never closes its watch: its monitors must not
+    outlive it (hundreds were left waking 20 times a second after mutation
+    runs killed their tests)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from tests.stalls import StallWatch; "
+            "w = StallWatch(Path(sys.argv[1])); print(*w.pids, flush=True); time.sleep(60)",
+            str(tmp_path / "stalls.log"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert child.stdout is not None
+    pids = [int(p) for p in child.stdout.readline().split()]
+    try:
+        assert pids, "no monitor started"
+        child.kill()
+        child.wait(10)
+        until = time.monotonic() + 10  # a hang guard, not a speed figure
+        alive = list(pids)
+        while alive and time.monotonic() < until:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(0.05)
+        assert alive == []
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie ran its course
+    except FileNotFoundError:
+        return False
