@@ -28,7 +28,8 @@ from structlog.testing import capture_logs
 import kvguard.vllm.integrity as integrity
 import kvguard.vllm.prefill_pushes as prefill_pushes
 from kvguard.vllm.states import LoadEnd
-from tests.pd_pair import SRC_LAYOUT, Pair, flip
+from tests.pd_pair import Pair, flip
+from tests.test_pd_integrity import _cache
 from transfer import KVCache
 from transfer.checksum import BlockSums, region_digest
 from transfer.plan import BlockSlice
@@ -92,12 +93,6 @@ def test_without_early_sums_the_blocks_are_read_at_push_time(
         assert tried == [([1, 2, 3], None)]
     finally:
         pair.close()
-
-
-def _cache() -> KVCache:
-    cache = KVCache(SRC_LAYOUT)
-    cache.fill_seeded(5)
-    return cache
 
 
 def _done(sums: BlockSums | Exception) -> Future[BlockSums]:
