@@ -74,6 +74,9 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 VLLM_PYTHON: Final = ROOT / ".venv-vllm" / "bin" / "python"
 # kvguard-unverified: kvguard with kvguard_verify off, the cost of the check side by side.
 CONNECTORS: Final = ("aggregated", "mooncake", "kvguard", "kvguard-unverified", "nixl")
+# On request only: kvguard with kvguard_idle_wait_ms 0 (an idle engine steps
+# as vLLM steps it), what the doorbell (kvguard.vllm.idle) gains side by side.
+OPTIONAL: Final = ("kvguard-nowait",)
 # Requests per level. 24 at c = 1, where they are cheap: with 8 a run's p99
 # was its slowest request, and the runs' ranges overlapped between connectors.
 FULL_REQUESTS: Final = {1: 24, 8: 32, 32: 64}
@@ -100,7 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--connectors", default="", help=f"default: {','.join(CONNECTORS)}")
+    parser.add_argument(
+        "--connectors",
+        default="",
+        help=f"default: {','.join(CONNECTORS)}; also: {','.join(OPTIONAL)}",
+    )
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests", default="", help="per level, e.g. 24,32,64 (default)")
     parser.add_argument(
@@ -116,9 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM unwinds like ^C: every server session started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     connectors = [c for c in args.connectors.split(",") if c]
-    unknown = sorted(set(connectors) - set(CONNECTORS))
+    unknown = sorted(set(connectors) - set(CONNECTORS) - set(OPTIONAL))
     if unknown:
-        parser.error(f"unknown connectors {unknown}; known: {', '.join(CONNECTORS)}")
+        parser.error(f"unknown connectors {unknown}; known: {', '.join(CONNECTORS + OPTIONAL)}")
     if not connectors:
         connectors = list(CONNECTORS)
         if importlib.util.find_spec("nixl") is None:  # its wheels: Linux x86-64/aarch64 only

@@ -69,6 +69,8 @@ def kv_config(connector: str, role: str, ports: Ports) -> dict[str, Any] | None:
         own = {"kvguard_control_port": ports.kvguard_control} if role == "kv_producer" else {}
         if connector == "kvguard-unverified":
             own["kvguard_verify"] = False
+        elif connector == "kvguard-nowait":
+            own["kvguard_idle_wait_ms"] = 0
         return kvguard_config(role, "fail", kvguard_deadline_s=DEADLINE_S, **own)
     cfg: dict[str, Any] = {"kv_role": role}
     if role == "kv_consumer":

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .idle import Doorbell, bell_endpoint
 from .metadata import KVGuardMetadata
 from .scheduler_side import KVGuardScheduler
 from .settings import Settings
@@ -91,12 +92,16 @@ class KVGuardConnector(KVConnectorBase_V1):
         producer = cfg.kv_role == "kv_producer"
         self.connector_scheduler: KVGuardScheduler | None = None
         self.connector_worker: KVGuardWorker | None = None
+        self._doorbell: Doorbell | None = None  # the engine core's (``idle``)
+        self._idle_wait_s = settings.idle_wait_ms / 1000
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = self.scheduler_class(
                 settings,
                 producer=producer,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
+            if self._idle_wait_s > 0 and cfg.engine_id:
+                self._doorbell = Doorbell(bell_endpoint(cfg.engine_id))
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
                 vllm_config, settings, producer=producer, kv_cache_config=kv_cache_config
@@ -139,7 +144,16 @@ class KVGuardConnector(KVConnectorBase_V1):
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler().build_connector_meta(scheduler_output)
+        """This step's metadata. A step with nothing to run, and nothing
+        new for the workers, while they hold or load KV first waits, up to
+        ``kvguard_idle_wait_ms``, for one to end (``idle``): vLLM would
+        step again at once."""
+        side = self._scheduler()
+        meta = side.build_connector_meta(scheduler_output)
+        idle = scheduler_output.total_num_scheduled_tokens == 0 and meta.empty()
+        if self._doorbell is not None and idle and side.in_flight():
+            self._doorbell.wait(self._idle_wait_s)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().update_connector_output(connector_output)
@@ -222,3 +236,6 @@ class KVGuardConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None

@@ -36,6 +36,7 @@ from transfer.peer_protocol import PeerMessage
 
 from .actions import Close, DecodeAction, LoadOutcome, Open, Probe, Report, Send, Unfence
 from .decode_core import DecodeCore
+from .idle import Bell
 from .inbox import Inbox, poll_ms
 from .integrity import Verifier
 from .probe import gone
@@ -107,6 +108,7 @@ class DecodeReceiver:
         heads: tuple[int, int] = (0, 0),
         verify: Verifier | None = None,
         curve: ClientKeys | None = None,
+        bell: str = "",
     ) -> None:
         """``peer``: what this side advertises (Mooncake session, layout,
         regions). ``margin_s``: the prefill is told to finish that much
@@ -115,7 +117,8 @@ class DecodeReceiver:
         count) the KV heads its blocks hold, sent with each push. ``verify``
         checks each loaded Result's digest against this side's blocks
         (``integrity``); None loads unverified. ``curve``: this decode's key
-        and the prefills' (``kvguard.curve``)."""
+        and the prefills' (``kvguard.curve``). ``bell``: the engine core's
+        doorbell (``idle``), rung whenever a load is ready to take."""
         self._curve = curve
         # No handshake this long after a connect or drop: stalled (one takes ms).
         self.peer = peer
@@ -142,6 +145,7 @@ class DecodeReceiver:
         # Its own context: its I/O thread starts here, with this thread's CPUs
         # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
         self._ctx = zmq.Context()
+        self._bell = Bell(self._ctx, bell)  # receiver thread only
         self._identity = f"kvguard-decode-{uuid.uuid4().hex}".encode()
         self._monitors = 0  # monitor endpoints made (receiver thread only)
         self._stop = threading.Event()
@@ -220,6 +224,7 @@ class DecodeReceiver:
         finally:
             for s in self._socks.values():
                 _close(s.sock, s.monitor)
+            self._bell.close()
             self._ctx.term()
 
     def _turn(self) -> None:
@@ -288,6 +293,7 @@ class DecodeReceiver:
             elif isinstance(act, Unfence):
                 with self._lock:
                     self._unfenced.append(act.request_id)
+                self._bell.ring()
             todo.extend(reversed(more))
 
     def _dial(self, act: Open) -> list[DecodeAction]:
@@ -389,3 +395,4 @@ class DecodeReceiver:
             self.outcomes[out.request_id] = out
             while len(self.outcomes) > _RECENT:
                 self.outcomes.popitem(last=False)
+        self._bell.ring()

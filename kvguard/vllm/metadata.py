@@ -62,3 +62,7 @@ class KVGuardMetadata(KVConnectorMetadata):
     forgets: list[ForgetMeta] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # decode request ids
     renews: list[Source] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        """Nothing for the workers to start or tell a prefill this step."""
+        return not (self.holds or self.loads or self.forgets or self.cancels or self.renews)

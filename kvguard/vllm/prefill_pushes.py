@@ -43,6 +43,7 @@ from transfer.checksum import BlockSums
 from transfer.errors import PeerProtocolError
 
 from .actions import AbortTransfer, ForgetPeer, PrefillAction, Release, Reply, SenderStats, Submit
+from .idle import Bell
 from .inbox import Inbox, poll_ms
 from .integrity import source_digest
 from .prefill_core import PrefillCore
@@ -83,6 +84,7 @@ class PrefillSender:
         head_major: bool = False,
         curve: ServerKeys | None = None,
         sum_early: bool = True,
+        bell: str = "",
     ) -> None:
         """``backend`` moves the bytes (it may wrap the engine, e.g. to inject
         faults: a wrapper forwards each decode's regions to what it wraps);
@@ -97,7 +99,8 @@ class PrefillSender:
         ``sum_early``: read each hold's blocks for a digest as the hold
         begins, so that a decode asking for whole blocks verified finds its
         digest (nearly) made and the engine's transfer does not share the
-        CPUs with it."""
+        CPUs with it. ``bell``: the engine core's doorbell (``idle``), rung
+        whenever a release is ready to take; "" none."""
         self._core = PrefillCore(
             compat=compat,
             renew_s=renew_s,
@@ -155,6 +158,7 @@ class PrefillSender:
             self._inbox.close()
             raise OSError(f"kvguard sender cannot listen on {bind}: {exc}") from exc
         self._sock = sock
+        self._bell = Bell(self._ctx, bell)  # sender thread only
         self._poller = zmq.Poller()  # sender thread only
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -212,6 +216,7 @@ class PrefillSender:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._sched.close(timeout=timeout)
         self._sock.close()
+        self._bell.close()
         if self._guard is not None:
             self._guard.close()
         self._ctx.term()
@@ -272,7 +277,9 @@ class PrefillSender:
             self._stats = replace(core.stats, by_reason=dict(core.stats.by_reason), denied=denied)
             self._holding, self._held_blocks = core.holding(), core.held_blocks()
             self._peers = core.peers()
-            self._released.update(a.request_id for a in later if isinstance(a, Release))
+            self._released.update(releasing)
+        if releasing:
+            self._bell.ring()
         for act in later:
             if isinstance(act, Reply):
                 res = act.result

@@ -96,6 +96,7 @@ class KVGuardScheduler:
         self.endpoint = settings.endpoint  # prefill: rank 0's control endpoint
         self._meta = KVGuardMetadata()  # this step's, until build_connector_meta
         self._loading: set[str] = set()  # decode: loads handed to the worker, not yet reported
+        self._holding: set[str] = set()  # prefill: holds handed to the worker, not yet released
         self._queued: dict[str, _Queued] = {}  # decode: arrived, blocks not yet allocated
         self._groups: dict[tuple[str, str], _Group] = {}  # decode: by Source.key
         self._members: dict[str, tuple[str, str]] = {}  # decode: pushed request -> its group
@@ -172,6 +173,13 @@ class KVGuardScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_recving or ():
             self._loading.discard(rid)
+        for rid in connector_output.finished_sending or ():
+            self._holding.discard(rid)
+
+    def in_flight(self) -> bool:
+        """Whether the workers hold or load KV for this engine: one will end
+        (``idle``: a step with nothing to run may wait for it)."""
+        return bool(self._holding or self._loading)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -198,6 +206,7 @@ class KVGuardScheduler:
         s = self.settings
         used = deadline_s(params, s.deadline_s, s.max_deadline_s)
         self._meta.holds.append(HoldMeta(rid, list(block_ids), time.monotonic() + s.hold_s))
+        self._holding.add(rid)
         reply = prefill_reply(
             endpoint=self.endpoint,
             request_id=rid,

@@ -19,6 +19,8 @@ __all__ = ["Settings"]
 
 _PREFIX: Final = "kvguard_"
 _PROTOCOLS: Final = ("tcp", "rdma")  # what kvguard's backend is built and documented for
+# An idle step's wait delays new requests by as much: beyond this, a typo.
+_MAX_IDLE_WAIT_MS: Final = 100.0
 
 
 @dataclass
@@ -55,6 +57,12 @@ class Settings:
     # a mismatch fails the load, and vLLM's kv_load_failure_policy applies.
     # prefill: read each hold's blocks for it as the hold begins.
     verify: bool = True
+    # An engine step that runs no forward while this rank holds or loads KV
+    # waits up to this long for a hold or load to end, instead of returning
+    # at once: vLLM then steps again after 1 ms, and that loop takes the CPUs
+    # the transfer needs. New requests and aborts reach an engine waiting so
+    # at most this much later. 0: never wait.
+    idle_wait_ms: float = 5.0
     # CURVE keys of the control channel (kvguard.curve), paths: this side's
     # NAME.key_secret; prefill: a directory of the decodes' allowed NAME.key
     # files; decode: the prefills' public NAME.key. None set: unauthenticated.
@@ -88,6 +96,11 @@ class Settings:
             raise ValueError(
                 f"kvguard_hold_s must be > 0 and <= kvguard_max_hold_s ({s.max_hold_s}), "
                 f"got {s.hold_s}"
+            )
+        if not 0 <= s.idle_wait_ms <= _MAX_IDLE_WAIT_MS:
+            raise ValueError(
+                f"kvguard_idle_wait_ms must be >= 0 and <= {_MAX_IDLE_WAIT_MS}, "
+                f"got {s.idle_wait_ms}"
             )
         try:
             parse_cpus(s.cpus)

@@ -36,6 +36,7 @@ from transfer.peer_protocol import peer_message_of
 
 from .decode_legs import DecodeLegs, Verdict
 from .decode_loads import DecodeReceiver
+from .idle import bell_endpoint
 from .integrity import Verifier
 from .kv_views import check_groups, describe
 from .metadata import KVGuardMetadata, LoadMeta
@@ -188,6 +189,8 @@ class KVGuardWorker:
         self.backend = self.make_backend()
         self.backend.register(self.cache)
         s = self.settings
+        engine_id = self._vllm_config.kv_transfer_config.engine_id
+        bell = bell_endpoint(engine_id) if s.idle_wait_ms > 0 and engine_id else ""
         if self.is_producer:
             mover: TransferBackend = self.backend
             if s.fault_rate > 0 and s.fault_rank in (-1, self.rank.rank):
@@ -222,6 +225,7 @@ class KVGuardWorker:
                 head_major=self.head_major,
                 curve=keys,
                 sum_early=s.verify,
+                bell=bell,
             )
         else:
             info = self.cache.peer_info(self.backend.session_id)
@@ -233,6 +237,7 @@ class KVGuardWorker:
                 heads=(self.rank.first, self.rank.count),
                 verify=self.make_verifier(),
                 curve=s.client_keys(),
+                bell=bell,
             )
 
     # -- each step -------------------------------------------------------------

@@ -31,6 +31,7 @@ def _config(name: str, tp: int, mla: bool = False) -> Any:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id=f"layouts-{name}-{tp}"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
         model_config=SimpleNamespace(
             use_mla=mla, get_total_num_kv_heads=lambda: 1 if mla else HEADS

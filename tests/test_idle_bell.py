@@ -1,0 +1,171 @@
+"""The engine core's doorbell (``kvguard.vllm.idle``): the sender and receiver
+threads ring it once a release or a load can be taken, never before, and a
+ring is a hint that cannot block them or be lost to the next wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvguard.vllm.decode_loads import DecodeReceiver
+from kvguard.vllm.idle import Bell, Doorbell, bell_endpoint
+from kvguard.vllm.prefill_pushes import PrefillSender
+from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
+from transfer.peer_protocol import peer_message_of
+
+LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_bytes=256)
+LONG = 30.0  # a hang guard: every wait below that should end ends at once
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/bell"
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield c
+    c.term()
+
+
+def test_each_engine_has_its_own_short_endpoint() -> None:
+    a, b = bell_endpoint("engine-a"), bell_endpoint("engine-a_dp1")
+    assert a == bell_endpoint("engine-a") and a != b
+    assert a.startswith("ipc://") and a.endswith(".bell")
+    assert len(bell_endpoint("x" * 500)) == len(a) < 100  # IPC paths are short
+
+
+def test_a_ring_before_the_wait_counts_and_many_count_once(
+    endpoint: str, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    door, bell = Doorbell(endpoint), Bell(ctx, endpoint)
+    try:
+        assert door.wait(0) is False
+        for _ in range(50):  # never blocks, whoever reads
+            bell.ring()
+        t0 = time.monotonic()
+        assert door.wait(LONG) is True
+        assert time.monotonic() - t0 < LONG / 2
+        assert door.wait(0.05) is False  # drained: the next wait waits
+    finally:
+        bell.close()
+        door.close()
+
+
+def test_a_ring_from_another_thread_ends_a_wait(
+    endpoint: str, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    door, bell = Doorbell(endpoint), Bell(ctx, endpoint)
+    ringer = threading.Thread(target=bell.ring)
+    try:
+        t0 = time.monotonic()
+        ringer.start()
+        assert door.wait(LONG) is True
+        assert time.monotonic() - t0 < LONG / 2
+    finally:
+        ringer.join()
+        bell.close()
+        door.close()
+
+
+def test_a_bell_rings_before_anyone_listens_and_without_an_endpoint(
+    endpoint: str, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    early = Bell(ctx, endpoint)  # the workers start before the engine core's scheduler
+    early.ring()
+    early.ring()
+    nothing = Bell(ctx, "")
+    nothing.ring()
+    nothing.close()
+    door = Doorbell(endpoint)
+    try:
+        early.ring()
+        assert door.wait(LONG) is True
+    finally:
+        early.close()
+        door.close()
+
+
+def test_a_doorbell_that_cannot_listen_says_where(tmp_path: Path) -> None:
+    where = f"ipc://{tmp_path}/no/such/dir/bell"
+    with pytest.raises(OSError, match="kvguard doorbell cannot listen on " + where):
+        Doorbell(where)
+
+
+class Rung:
+    """A prefill and a decode whose threads ring doorbells of their own."""
+
+    def __init__(self, tmp: Path, hang: bool = False) -> None:
+        self.src, self.dst = KVCache(LAYOUT), KVCache(LAYOUT)
+        self.src.fill_seeded(3)
+        self.backend = LocalBackend(workers=2)
+        self.backend.register_source(self.src)
+        info = self.backend.register_peer("decode:1", self.dst)
+        self.hanging = FaultInjectingBackend(self.backend, FaultPlan.script([FaultKind.HANG]))
+        self.prefill_door = Doorbell(f"ipc://{tmp}/prefill")
+        self.decode_door = Doorbell(f"ipc://{tmp}/decode")
+        self.sender = PrefillSender(
+            self.hanging if hang else self.backend,
+            self.src,
+            "tcp://127.0.0.1:0",
+            bell=f"ipc://{tmp}/prefill",
+        )
+        self.receiver = DecodeReceiver(
+            peer_message_of(info),
+            heartbeat_s=0.2,
+            heartbeat_timeout_s=0.6,
+            bell=f"ipc://{tmp}/decode",
+        )
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close(timeout=2.0)
+        self.backend.close()
+        self.prefill_door.close()
+        self.decode_door.close()
+
+
+def test_each_side_rings_once_what_it_rings_for_can_be_taken(tmp_path: Path) -> None:
+    r = Rung(tmp_path)
+    try:
+        r.sender.hold("r1", [1, 2], time.monotonic() + LONG)
+        assert r.prefill_door.wait(0.2) is False  # held: nothing to take yet
+        assert r.decode_door.wait(0) is False
+        r.receiver.expect("d1", r.sender.endpoint, "r1", [3, 4], time.monotonic() + LONG)
+        assert r.decode_door.wait(LONG) is True
+        (out,) = r.receiver.take_finished()  # rung after it was there
+        assert (out.request_id, out.ok) == ("d1", True)
+        assert r.prefill_door.wait(LONG) is True
+        assert r.sender.take_released() == {"r1"}
+        assert r.prefill_door.wait(0) is False and r.decode_door.wait(0) is False
+    finally:
+        r.close()
+
+
+def test_a_failed_load_rings_when_reported_and_again_when_its_blocks_are_free(
+    tmp_path: Path,
+) -> None:
+    """The prefill's engine hangs: the load fails at its deadline, fenced (a
+    ring); its blocks are named free only once the engine let go (another)."""
+    r = Rung(tmp_path, hang=True)
+    try:
+        r.sender.hold("r1", [1], time.monotonic() + LONG)
+        r.receiver.expect("d1", r.sender.endpoint, "r1", [2], time.monotonic() + 0.5)
+        assert r.decode_door.wait(LONG) is True
+        (out,) = r.receiver.take_finished()
+        assert (out.ok, out.reason, out.fenced) == (False, "timeout", True)
+        assert r.receiver.take_released() == []
+        assert r.decode_door.wait(0.3) is False  # the engine still writes the blocks
+        r.hanging.release_hangs()
+        assert r.decode_door.wait(LONG) is True
+        assert r.receiver.take_released() == ["d1"]
+        assert r.prefill_door.wait(LONG) is True
+        assert r.sender.take_released() == {"r1"}
+    finally:
+        r.close()
