@@ -101,7 +101,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
             if self._idle_wait_s > 0 and cfg.engine_id:
-                self._doorbell = Doorbell(bell_endpoint(cfg.engine_id))
+                self._doorbell = Doorbell(bell_endpoint(cfg.engine_id, producer))
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
                 vllm_config, settings, producer=producer, kv_cache_config=kv_cache_config

@@ -18,7 +18,7 @@ not listening yet, a full pipe that already holds a ring) costs at most
 one wait's bound, and nothing waits on it for correctness.
 
 The two meet at an IPC path named after the engine's ``engine_id`` (unique
-per engine and data parallel rank).
+per engine and data parallel rank) and role.
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ __all__ = ["Bell", "Doorbell", "bell_endpoint"]
 _RING: Final = b"\x01"
 
 
-def bell_endpoint(engine_id: str) -> str:
-    """The IPC endpoint of ``engine_id``'s doorbell: a short path (IPC
-    paths are limited to about 100 bytes) in the temporary directory."""
-    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:24]
+def bell_endpoint(engine_id: str, producer: bool) -> str:
+    """The IPC endpoint of the doorbell of ``engine_id`` in its role (a
+    prefill and a decode given one id on one host keep apart): a short
+    path (IPC paths are limited to about 100 bytes) in the temporary
+    directory."""
+    role = "prefill" if producer else "decode"
+    digest = hashlib.sha256(f"{engine_id}/{role}".encode()).hexdigest()[:24]
     return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvguard-{digest}.bell')}"
 
 

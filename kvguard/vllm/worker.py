@@ -189,8 +189,8 @@ class KVGuardWorker:
         self.backend = self.make_backend()
         self.backend.register(self.cache)
         s = self.settings
-        engine_id = self._vllm_config.kv_transfer_config.engine_id
-        bell = bell_endpoint(engine_id) if s.idle_wait_ms > 0 and engine_id else ""
+        engine = self._vllm_config.kv_transfer_config.engine_id  # the engine core's doorbell
+        bell = bell_endpoint(engine, self.is_producer) if s.idle_wait_ms > 0 and engine else ""
         if self.is_producer:
             mover: TransferBackend = self.backend
             if s.fault_rate > 0 and s.fault_rank in (-1, self.rank.rank):

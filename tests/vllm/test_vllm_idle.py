@@ -5,6 +5,7 @@ requests are the fields vLLM's scheduler hands it."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +14,16 @@ from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
+import kvguard.vllm.worker as worker_module
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.idle import Bell, Doorbell, bell_endpoint
+from kvguard.vllm.metadata import KVGuardMetadata, LoadMeta, Source
+from kvguard.vllm.settings import Settings
+from kvguard.vllm.worker import KVGuardWorker
+from tests.mooncake_helpers import requires_mooncake
+from tests.vllm.layout_peer import vllm_views
+from tests.vllm.ports import free_port
+from tests.vllm.test_vllm_worker_layouts import BLOCKS, HEADS, LAYERS, _config
 
 pytestmark = [pytest.mark.vllm]
 
@@ -145,7 +154,7 @@ def test_the_workers_ring_the_engine_cores_own_doorbell() -> None:
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    bell = Bell(ctx, bell_endpoint(engine_id))
+    bell = Bell(ctx, bell_endpoint(engine_id, producer=False))
     try:
         bell.ring()
         assert c._doorbell.wait(30.0) is True
@@ -153,3 +162,28 @@ def test_the_workers_ring_the_engine_cores_own_doorbell() -> None:
         bell.close()
         ctx.term()
         c.shutdown()
+
+
+@requires_mooncake
+def test_a_real_decode_worker_rings_its_engine_core_when_a_load_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's receiver rings the doorbell the engine core listens on
+    (named by the engine id in both processes' config) once a load can be
+    taken: here one whose prefill nobody listens for, which fails at once."""
+    monkeypatch.setattr(worker_module, "get_tensor_model_parallel_rank", lambda: 0)
+    _, views = vllm_views("LBHNC", LAYERS, BLOCKS, HEADS)
+    config = _config("LBHNC", 1)
+    door = Doorbell(bell_endpoint(config.kv_transfer_config.engine_id, producer=False))
+    w = KVGuardWorker(config, Settings.of({}), producer=False)
+    try:
+        w.register_kv_caches({f"model.layers.{i}.attn": v for i, v in enumerate(views)})
+        nobody = f"tcp://127.0.0.1:{free_port()}"
+        due = time.monotonic() + 30
+        w.bind(KVGuardMetadata(loads=[LoadMeta("d1", [1, 2], Source(nobody, "p1", 1), due, 1)]))
+        assert door.wait(30.0) is True
+        results = w.get_transfer_results(set())
+        assert (results.finished_recving, results.failed_recving) == ({"d1"}, {"d1"})
+    finally:
+        w.shutdown()
+        door.close()
