@@ -4,6 +4,7 @@ ring is a hint that cannot block them or be lost to the next wait."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ def test_each_engine_has_its_own_short_endpoint() -> None:
     a = bell_endpoint("engine-a", producer=False)
     others = {bell_endpoint("engine-a_dp1", False), bell_endpoint("engine-a", True)}
     assert a == bell_endpoint("engine-a", False) and a not in others and len(others) == 2
-    assert a.startswith("ipc://") and a.endswith(".bell")
+    assert a.startswith(f"ipc://{tempfile.gettempdir()}/kvguard-") and a.endswith(".bell")
     assert len(bell_endpoint("x" * 500, True)) == len(a) < 100  # IPC paths are short
 
 
