@@ -23,6 +23,7 @@ from tests.vllm.servers import Server
 
 from .vllm_pd_client import PROMPT_TOKENS, Sent
 from .vllm_pd_servers import BLOCK_SIZE
+from .vllm_shim import IDLE_WAIT
 
 __all__ = [
     "PHASES",
@@ -106,8 +107,18 @@ def hook_totals(records: Path, server: str) -> dict[str, tuple[int, float]]:
     return out
 
 
-def hook_delta(after: dict[str, tuple[int, float]], before: dict[str, tuple[int, float]]) -> float:
-    return sum(s for _, s in after.values()) - sum(s for _, s in before.values())
+def hook_delta(
+    after: dict[str, tuple[int, float]], before: dict[str, tuple[int, float]], *, idle: bool = False
+) -> float:
+    """Seconds between two ``hook_totals``: the hooks' own work, or (``idle``)
+    kvguard's doorbell waits, which the hooks' times include."""
+
+    def split(totals: dict[str, tuple[int, float]]) -> tuple[float, float]:
+        waited = totals.get(IDLE_WAIT, (0, 0.0))[1]
+        return sum(s for n, (_, s) in totals.items() if n != IDLE_WAIT) - waited, waited
+
+    (work1, idle1), (work0, idle0) = split(after), split(before)
+    return idle1 - idle0 if idle else work1 - work0
 
 
 def _match(server_reqs: list[dict[str, Any]], rid: str) -> dict[str, Any] | None:
@@ -162,6 +173,7 @@ def summarize(
     window: tuple[float, float],
     cpu: dict[str, float],
     hooks: dict[str, float],
+    idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     ok = [s for s in sent if not s.error]
     decode = servers[-1]
@@ -239,6 +251,9 @@ def summarize(
         role = "prefill" if srv is servers[0] else "decode"
         row[f"cpu_s_per_gb_{role}"] = round(cpu[srv.name] / gb, 3) if gb else None
         row[f"hook_us_per_request_{role}"] = round(1e6 * hooks[srv.name] / max(1, len(sent)), 1)
+        if idle is not None and connector.startswith("kvguard"):
+            waited = idle.get(srv.name, 0.0)
+            row[f"idle_wait_us_per_request_{role}"] = round(1e6 * waited / max(1, len(sent)), 1)
     row["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
     if connector.startswith("kvguard"):
         splits = [

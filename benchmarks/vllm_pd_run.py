@@ -92,11 +92,11 @@ def measure_connector(
             t1 = time.time()
             time.sleep(1.2)  # let the servers' hook snapshots and records land
             cpu = {s.name: s.cpu_seconds() - cpu0[s.name] for s in servers}
-            hooks = {
-                s.name: hook_delta(hook_totals(records, s.name), hooks0[s.name]) for s in servers
-            }
+            hooks1 = {s.name: hook_totals(records, s.name) for s in servers}
+            hooks = {s.name: hook_delta(hooks1[s.name], hooks0[s.name]) for s in servers}
+            idle = {s.name: hook_delta(hooks1[s.name], hooks0[s.name], idle=True) for s in servers}
             result["levels"][str(c)] = summarize(
-                connector, sent, servers, records, (t0, t1), cpu, hooks
+                connector, sent, servers, records, (t0, t1), cpu, hooks, idle
             )
             row = result["levels"][str(c)]
             row["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]

@@ -15,7 +15,10 @@ does nothing. Each patch is applied when its module is first imported:
   request (arrival to first token), read by vLLM's frontend;
 * every per-step hook of a connector class (kvguard's, Mooncake's, NIXL's)
   is timed (``hooks-*``, a snapshot every 0.5 s): the time vLLM's
-  loop spends inside the connector;
+  loop spends inside the connector; kvguard's doorbell waits inside
+  ``build_connector_meta`` (``kvguard.vllm.idle``: an engine with nothing
+  to run waiting for a transfer to end) are timed too, as ``IDLE_WAIT``,
+  so that the figures can tell that waiting from the hooks' work;
 * transfer events (``events-*``): kvguard's sender and receiver (hold,
   push, submit, release, outcome, report), Mooncake's batch write and
   NIXL's finished transfers (start, end, bytes), on one clock
@@ -37,7 +40,7 @@ from typing import Any, Final
 
 from .vllm_shim_sink import AfterImport, Sink
 
-__all__ = ["CONNECTOR_HOOKS", "install"]
+__all__ = ["CONNECTOR_HOOKS", "IDLE_WAIT", "install"]
 
 ENV_DIR: Final = "KVGUARD_BENCH_DIR"
 ENV_SERVER: Final = "KVGUARD_BENCH_SERVER"
@@ -63,6 +66,8 @@ CONNECTOR_HOOKS: Final = (
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
 )
+
+IDLE_WAIT: Final = "idle_wait"  # kvguard's Doorbell.wait, inside build_connector_meta
 
 _sink: Sink | None = None
 
@@ -289,6 +294,19 @@ def _nixl_connector(mod: ModuleType) -> None:
     _time_hooks(mod.NixlPullConnector)
 
 
+def _kvguard_doorbell(mod: ModuleType) -> None:
+    sink = _installed()
+
+    def wait(fn: Any, self: Any, timeout_s: float) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, timeout_s)
+        finally:
+            sink.hook_time(IDLE_WAIT, time.perf_counter() - t0)
+
+    _wrap(mod.Doorbell, "wait", wait)
+
+
 _V1: Final = "vllm.distributed.kv_transfer.kv_connector.v1"
 
 
@@ -308,6 +326,7 @@ def install() -> None:
                 "kvguard.vllm.connector": _kvguard_connector,
                 "kvguard.vllm.prefill_pushes": _kvguard_sender,
                 "kvguard.vllm.decode_loads": _kvguard_receiver,
+                "kvguard.vllm.idle": _kvguard_doorbell,
                 f"{_V1}.mooncake.mooncake_connector": _mooncake_connector,
                 f"{_V1}.nixl.stats": _nixl_stats,
                 f"{_V1}.nixl.connector": _nixl_connector,

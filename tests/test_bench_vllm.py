@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
-from benchmarks.vllm_pd_figures import percentile, spread, union_seconds
+from benchmarks.vllm_pd_figures import hook_delta, percentile, spread, union_seconds
 from benchmarks.vllm_pd_run import merge_runs
 from benchmarks.vllm_pd_runs import combine, order
+from benchmarks.vllm_shim import IDLE_WAIT
 from tests.vllm.checkpoint import BENCH, TINY, kv_bytes_per_token
 from tests.vllm.sessions import session_alive, session_cpu_seconds
 
@@ -45,6 +46,17 @@ def test_a_spread_gives_means_that_add_up_where_percentiles_do_not() -> None:
     assert spread(total)["mean"] == spread(engine)["mean"] + spread(report)["mean"] == 51.0
     assert spread(total)["p50"] == 40.0 != spread(engine)["p50"] + spread(report)["p50"]
     assert math.isnan(spread([])["mean"])
+
+
+def test_the_doorbells_waits_are_told_apart_from_the_hooks_work() -> None:
+    """A doorbell wait runs inside ``build_connector_meta``: the hooks' work
+    is their time less the waits', and the waits are a figure of their own."""
+    before = {"build_connector_meta": (10, 1.0), "get_finished": (10, 0.5), IDLE_WAIT: (4, 0.75)}
+    after = {"build_connector_meta": (30, 3.5), "get_finished": (30, 1.0), IDLE_WAIT: (9, 2.0)}
+    assert hook_delta(after, before) == pytest.approx((3.5 + 1.0 - 2.0) - (1.0 + 0.5 - 0.75))
+    assert hook_delta(after, before, idle=True) == pytest.approx(1.25)
+    peer = {"get_finished": (3, 0.25)}  # another connector: no doorbell at all
+    assert hook_delta(peer, {}) == 0.25 and hook_delta(peer, {}, idle=True) == 0.0
 
 
 def test_runs_interleave_so_each_connector_takes_every_place_in_a_round() -> None:
