@@ -42,7 +42,9 @@ def connector() -> Iterator[KVGuardConnector]:
         kv_role="kv_consumer",
         kv_connector_extra_config={},
     )
-    yield KVGuardConnector(VllmConfig(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
+    c = KVGuardConnector(VllmConfig(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
+    yield c
+    c.shutdown()  # its doorbell's socket
 
 
 def request(rid: str, remote: str, loads: object = None) -> Any:
