@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -68,6 +69,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVGuardConnector", "KVGuardMetadata"]
+
+_log = structlog.get_logger("kvguard.vllm")
+
+
+def _doorbell(endpoint: str) -> Doorbell | None:
+    """The engine core's doorbell; without one (no IPC socket can be made
+    there) an idle engine steps as vLLM steps it, and nothing else changes."""
+    try:
+        return Doorbell(endpoint)
+    except OSError as exc:
+        _log.warning("idle_doorbell_unavailable", error=str(exc))
+        return None
 
 
 class KVGuardConnector(KVConnectorBase_V1):
@@ -101,7 +114,7 @@ class KVGuardConnector(KVConnectorBase_V1):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
             if self._idle_wait_s > 0 and cfg.engine_id:
-                self._doorbell = Doorbell(bell_endpoint(cfg.engine_id, producer))
+                self._doorbell = _doorbell(bell_endpoint(cfg.engine_id, producer))
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
                 vllm_config, settings, producer=producer, kv_cache_config=kv_cache_config

@@ -6,14 +6,17 @@ requests are the fields vLLM's scheduler hands it."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
+import kvguard.vllm.connector as connector_module
 import kvguard.vllm.worker as worker_module
 from kvguard.vllm.connector import KVGuardConnector
 from kvguard.vllm.idle import Bell, Doorbell, bell_endpoint
@@ -152,6 +155,26 @@ def test_no_doorbell_when_turned_off_and_bad_waits_are_refused() -> None:
         message = f"kvguard_idle_wait_ms must be >= 0 and <= 100.0, got {float(bad)}"
         with pytest.raises(ValueError, match=message):
             connector("kv_consumer", kvguard_idle_wait_ms=bad)
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_an_engine_core_that_cannot_make_its_doorbell_steps_as_vllm_steps_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("")
+    where = f"ipc://{tmp_path}/file/bell"  # under a file: no socket can be made there
+    monkeypatch.setattr(connector_module, "bell_endpoint", lambda *_: where)
+    with capture_logs() as logs:
+        c = connector("kv_consumer")
+    assert c._doorbell is None
+    (event,) = [e for e in logs if e["event"] == "idle_doorbell_unavailable"]
+    assert event["error"].startswith(f"kvguard doorbell cannot listen on {where}: ")
+    req = decode_request("d1")
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: [[1]])
+    c.update_state_after_alloc(req, blocks, 40)
+    step(c)
+    step(c)  # nothing to wait on: returns at once
+    c.shutdown()
 
 
 def test_the_workers_ring_the_engine_cores_own_doorbell() -> None:
