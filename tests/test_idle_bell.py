@@ -4,17 +4,20 @@ ring is a hint that cannot block them or be lost to the next wait."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import zmq
+from structlog.testing import capture_logs
 
 from kvguard.vllm.decode_loads import DecodeReceiver
-from kvguard.vllm.idle import Bell, Doorbell, bell_endpoint
+from kvguard.vllm.idle import Bell, Doorbell, bell_endpoint, doorbell_route
 from kvguard.vllm.prefill_pushes import PrefillSender
 from transfer import FaultInjectingBackend, FaultKind, FaultPlan, KVCache, KVLayout, LocalBackend
 from transfer.peer_protocol import peer_message_of
@@ -35,12 +38,63 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     c.term()
 
 
-def test_each_engine_has_its_own_short_endpoint() -> None:
+def test_each_engine_and_role_has_its_own_abstract_endpoint() -> None:
     a = bell_endpoint("engine-a", producer=False)
     others = {bell_endpoint("engine-a_dp1", False), bell_endpoint("engine-a", True)}
     assert a == bell_endpoint("engine-a", False) and a not in others and len(others) == 2
-    assert a.startswith(f"ipc://{tempfile.gettempdir()}/kvguard-") and a.endswith(".bell")
-    assert len(bell_endpoint("x" * 500, True)) == len(a) < 100  # IPC paths are short
+    assert a.startswith("ipc://@kvguard-")  # no file, wherever TMPDIR points
+    assert len(bell_endpoint("x" * 500, True)) == len(a) < 100  # IPC names are short
+
+
+def _config(batches: int = 1, dp: int = 1, engine_id: str | None = "e1") -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+        max_concurrent_batches=batches,
+        parallel_config=SimpleNamespace(data_parallel_size=dp),
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "wait_ms", "why"),
+    [
+        (_config(), 0.0, "kvguard_idle_wait_ms is 0"),
+        (_config(batches=2), 5.0, "vLLM's batch queue reads a step's output late"),
+        (_config(dp=2), 5.0, "data parallel ranks step together"),
+        (_config(engine_id=None), 5.0, "no engine id"),
+    ],
+)
+def test_no_doorbell_where_a_wait_could_hold_up_a_step_that_runs(
+    config: Any, wait_ms: float, why: str
+) -> None:
+    assert doorbell_route(config, False, wait_ms) == ("", why)
+
+
+def test_an_engine_one_batch_at_a_time_has_a_doorbell_per_role() -> None:
+    assert doorbell_route(_config(), True, 5.0) == (bell_endpoint("e1", True), "")
+    assert doorbell_route(_config(), False, 0.5) == (bell_endpoint("e1", False), "")
+
+
+def test_a_second_engine_with_the_same_id_and_role_cannot_take_the_doorbell() -> None:
+    where = bell_endpoint(f"twice-{uuid.uuid4()}", False)
+    first = Doorbell(where)
+    try:
+        with pytest.raises(OSError, match="kvguard doorbell cannot listen on " + where):
+            Doorbell(where)
+    finally:
+        first.close()
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_a_bell_that_cannot_connect_is_logged_and_rings_nothing(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    where = f"ipc://{tmp_path}/{'x' * 200}"  # longer than an IPC path may be
+    with capture_logs() as logs:
+        bell = Bell(ctx, where)
+    bell.ring()
+    bell.close()
+    (event,) = [e for e in logs if e["event"] == "idle_bell_unavailable"]
+    assert event["endpoint"] == where and event["error"]
 
 
 def test_a_ring_before_the_wait_counts_and_many_count_once(

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .idle import Doorbell, bell_endpoint
+from .idle import Doorbell, doorbell_route
 from .metadata import KVGuardMetadata
 from .scheduler_side import KVGuardScheduler
 from .settings import Settings
@@ -113,8 +113,11 @@ class KVGuardConnector(KVConnectorBase_V1):
                 producer=producer,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
-            if self._idle_wait_s > 0 and cfg.engine_id:
-                self._doorbell = _doorbell(bell_endpoint(cfg.engine_id, producer))
+            endpoint, why = doorbell_route(vllm_config, producer, settings.idle_wait_ms)
+            if endpoint:
+                self._doorbell = _doorbell(endpoint)
+            else:
+                _log.info("idle_doorbell_off", why=why)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = self.worker_class(
                 vllm_config, settings, producer=producer, kv_cache_config=kv_cache_config

@@ -17,33 +17,58 @@ the loop. A ring is a hint, never a message: one lost (the engine core
 not listening yet, a full pipe that already holds a ring) costs at most
 one wait's bound, and nothing waits on it for correctness.
 
-The two meet at an IPC path named after the engine's ``engine_id`` (unique
-per engine and data parallel rank) and role.
+The two meet at an abstract IPC socket (Linux: no file, no ``TMPDIR``)
+named after the engine's ``engine_id`` and role. A second engine given the
+same id and role on one host cannot bind it, and runs without a doorbell.
+
+No doorbell either where a step with nothing scheduled may still have a
+forward in flight or owe its output to others: vLLM's batch queue (async
+scheduling, pipeline parallel) takes a step's output a step later, so a
+ring would be spent on the wrong step and an engine could wait beside a
+running forward; with data parallel an idle rank runs dummy batches in
+step with the others, which it would hold up. Nor does anything ring for
+what vLLM waits on itself (grammar compilation, streamed input): such a
+request starts at most one wait's bound later.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import tempfile
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
+import structlog
 import zmq
 
-__all__ = ["Bell", "Doorbell", "bell_endpoint"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
+__all__ = ["Bell", "Doorbell", "bell_endpoint", "doorbell_route"]
+
+_log = structlog.get_logger("kvguard.vllm")
 _RING: Final = b"\x01"
 
 
 def bell_endpoint(engine_id: str, producer: bool) -> str:
-    """The IPC endpoint of the doorbell of ``engine_id`` in its role (a
-    prefill and a decode given one id on one host keep apart): a short
-    path (IPC paths are limited to about 100 bytes) in the temporary
-    directory."""
+    """The abstract IPC endpoint of ``engine_id``'s doorbell in its role (a
+    prefill and a decode given one id keep apart)."""
     role = "prefill" if producer else "decode"
     digest = hashlib.sha256(f"{engine_id}/{role}".encode()).hexdigest()[:24]
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvguard-{digest}.bell')}"
+    return f"ipc://@kvguard-{digest}"
+
+
+def doorbell_route(config: VllmConfig, producer: bool, wait_ms: float) -> tuple[str, str]:
+    """Where this engine's doorbell listens and its workers ring, and "";
+    or "" and why it has none (the module's docstring says when)."""
+    engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
+    off = (
+        (wait_ms <= 0, "kvguard_idle_wait_ms is 0"),
+        (config.max_concurrent_batches > 1, "vLLM's batch queue reads a step's output late"),
+        (config.parallel_config.data_parallel_size > 1, "data parallel ranks step together"),
+        (not engine_id, "no engine id"),
+    )
+    why = next((reason for applies, reason in off if applies), "")
+    return ("", why) if why else (bell_endpoint(str(engine_id), producer), "")
 
 
 class Doorbell:
@@ -93,11 +118,18 @@ class Bell:
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
         self._sock: zmq.Socket[bytes] | None = None
-        if endpoint:
-            self._sock = ctx.socket(zmq.PUSH)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.SNDHWM, 1)  # a ring already queued wakes the engine
-            self._sock.connect(endpoint)
+        if not endpoint:
+            return
+        sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1)  # a ring already queued wakes the engine
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # the engine core's waits then end by their bound
+            sock.close()
+            _log.warning("idle_bell_unavailable", endpoint=endpoint, error=str(exc))
+            return
+        self._sock = sock
 
     def ring(self) -> None:
         """Wake the engine core if it waits; never blocks."""

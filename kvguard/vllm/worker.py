@@ -36,7 +36,7 @@ from transfer.peer_protocol import peer_message_of
 
 from .decode_legs import DecodeLegs, Verdict
 from .decode_loads import DecodeReceiver
-from .idle import bell_endpoint
+from .idle import doorbell_route
 from .integrity import Verifier
 from .kv_views import check_groups, describe
 from .metadata import KVGuardMetadata, LoadMeta
@@ -189,8 +189,7 @@ class KVGuardWorker:
         self.backend = self.make_backend()
         self.backend.register(self.cache)
         s = self.settings
-        engine = self._vllm_config.kv_transfer_config.engine_id  # the engine core's doorbell
-        bell = bell_endpoint(engine, self.is_producer) if s.idle_wait_ms > 0 and engine else ""
+        bell, _ = doorbell_route(self._vllm_config, self.is_producer, s.idle_wait_ms)
         if self.is_producer:
             mover: TransferBackend = self.backend
             if s.fault_rate > 0 and s.fault_rank in (-1, self.rank.rank):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
@@ -46,14 +46,16 @@ class Recorder:
         self.closed = True
 
 
-def connector(role: str, **extra: Any) -> KVGuardConnector:
+def connector(role: str, pipeline: int = 1, **extra: Any) -> KVGuardConnector:
     kv = KVTransferConfig(
         kv_connector="KVGuardConnector",
         kv_connector_module_path="kvguard.vllm.connector",
         kv_role=role,
         kv_connector_extra_config=extra,
     )
-    return KVGuardConnector(VllmConfig(kv_transfer_config=kv), KVConnectorRole.SCHEDULER)
+    parallel = ParallelConfig(pipeline_parallel_size=pipeline)
+    config = VllmConfig(kv_transfer_config=kv, parallel_config=parallel)
+    return KVGuardConnector(config, KVConnectorRole.SCHEDULER)
 
 
 def recorded(c: KVGuardConnector) -> Recorder:
@@ -158,12 +160,30 @@ def test_no_doorbell_when_turned_off_and_bad_waits_are_refused() -> None:
 
 
 @pytest.mark.usefixtures("all_levels")
+def test_no_doorbell_where_vllm_reads_a_steps_output_a_step_later() -> None:
+    """Pipeline parallel (and async scheduling, on GPUs) run vLLM's batch
+    queue: a step with nothing scheduled may have a forward in flight."""
+    with capture_logs() as logs:
+        c = connector("kv_consumer", pipeline=2)
+    assert c._doorbell is None
+    off = [e for e in logs if e["event"] == "idle_doorbell_off"]
+    assert off == [
+        {
+            "event": "idle_doorbell_off",
+            "why": "vLLM's batch queue reads a step's output late",
+            "log_level": "info",
+        }
+    ]
+    c.shutdown()
+
+
+@pytest.mark.usefixtures("all_levels")
 def test_an_engine_core_that_cannot_make_its_doorbell_steps_as_vllm_steps_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     (tmp_path / "file").write_text("")
     where = f"ipc://{tmp_path}/file/bell"  # under a file: no socket can be made there
-    monkeypatch.setattr(connector_module, "bell_endpoint", lambda *_: where)
+    monkeypatch.setattr(connector_module, "doorbell_route", lambda *_: (where, ""))
     with capture_logs() as logs:
         c = connector("kv_consumer")
     assert c._doorbell is None

@@ -5,6 +5,7 @@ makes of each layout vLLM may resolve anyway (views from vLLM's own
 from __future__ import annotations
 
 import time
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,8 +32,9 @@ def _config(name: str, tp: int, mla: bool = False) -> Any:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id=f"layouts-{name}-{tp}"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        kv_transfer_config=SimpleNamespace(engine_id=f"layouts-{uuid.uuid4()}"),
+        max_concurrent_batches=1,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1),
         model_config=SimpleNamespace(
             use_mla=mla, get_total_num_kv_heads=lambda: 1 if mla else HEADS
         ),
