@@ -39,7 +39,7 @@ def test_the_prefill_logs_each_refusal_duplicate_and_end_of_a_hold() -> None:
         core.step(400.5)
     assert logs == [
         {"event": "hold_duplicate", "log_level": "warning", "request": "r"},
-        {"event": "hold_renewed", "log_level": "debug", "request": "r"},
+        {"event": "hold_renewed", "log_level": "debug", "request": "r", "left_s": 5.0},
         {
             "event": "push_refused",
             "log_level": "warning",

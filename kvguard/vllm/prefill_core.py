@@ -377,11 +377,11 @@ class PrefillCore:
         until = min(now + self._renew_s, hold.last)
         if until <= hold.deadline:
             return
-        hold.deadline = until
+        left, hold.deadline = hold.deadline - now, until
         if hold.state is HoldState.HELD:
             self._timers.push(until, (until, rid, ""))
         self.stats.renewed += 1
-        _log.debug("hold_renewed", request=rid)
+        _log.debug("hold_renewed", request=rid, left_s=round(left, 3))  # near 0: renewed late
 
     def _release(self, hold: Hold, end: HoldEnd, reason: str, out: list[PrefillAction]) -> None:
         """Release ``hold``'s blocks to the engine, once."""

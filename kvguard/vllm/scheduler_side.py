@@ -123,7 +123,9 @@ class KVGuardScheduler:
             return
         assert params is not None
         ask = self._ask(params)  # parsed once: kept until allocation or finish
-        self._queued[request.request_id] = _Queued(ask, time.monotonic() + ask.renew_s)
+        # Due at once: one not allocated in its first step renews the hold
+        # then, which the path here (proxy, API servers) has used part of.
+        self._queued[request.request_id] = _Queued(ask, time.monotonic())
         self._group(ask).waiting.add(request.request_id)
 
     def _group(self, ask: LoadAsk) -> _Group:

@@ -93,12 +93,14 @@ class Cluster:
     def servers(self) -> list[Server]:
         return [self.prefill, self.fail, self.recompute]
 
-    def logs(self) -> str:
+    def logs(self, servers: Sequence[Server] = ()) -> str:
+        """The tails of ``servers``' logs (the cluster's by default)."""
         # kvguard's own events first: a CI excerpt keeps the head of a failure.
-        ours = "prefill_link|kv_load|sender_|hold_|push_|receiver_|peer_"
+        ours = "prefill_link|kv_load|KV load|sender_|hold_|push_|receiver_|peer_"
+        them = servers or self.servers
         return "\n".join(
-            f"--- {s.name} kvguard events\n{s.log_tail(15, grep=ours)}" for s in self.servers
-        ) + "\n".join(f"\n--- {s.name} log\n{s.log_tail(25)}" for s in self.servers)
+            f"--- {s.name} kvguard events\n{s.log_tail(15, grep=ours)}" for s in them
+        ) + "\n".join(f"\n--- {s.name} log\n{s.log_tail(25)}" for s in them)
 
 
 def start_cluster() -> Cluster:
@@ -212,9 +214,14 @@ async def in_flight(server: Server, tasks: Sequence[asyncio.Task[Outcome]]) -> N
 
 
 def assert_outcomes(
-    c: Cluster, outs: Sequence[Outcome], want: Sequence[Sequence[int]], errors: set[str]
+    c: Cluster,
+    outs: Sequence[Outcome],
+    want: Sequence[Sequence[int]],
+    errors: set[str],
+    servers: Sequence[Server] = (),
 ) -> None:
-    """Each request is ok with every choice equal to its reference, or one of ``errors``."""
+    """Each request is ok with every choice equal to its reference, or one of
+    ``errors``; a failure shows ``servers``' logs (the cluster's by default)."""
     bad = [
         (i, o)
         for i, (o, w) in enumerate(zip(outs, want, strict=True))
@@ -224,7 +231,7 @@ def assert_outcomes(
     assert not bad, (
         f"unexpected outcomes (allowed errors {sorted(errors)}):\n"
         + "\n".join(f"  #{i}: {o}" for i, o in bad[:10])
-        + f"\n{c.logs()}"
+        + f"\n{c.logs(servers)}"
     )
 
 

@@ -265,3 +265,36 @@ def test_a_bad_declared_size_is_ignored_by_name_and_the_load_goes_on(
             "log_level": "warning",
         }
     ]
+
+
+def test_a_queued_request_renews_its_hold_at_once_then_every_third_of_it(
+    connector: KVGuardConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path to the decode (proxy, API servers) used part of the
+    prefill's hold: a request not allocated in its first step renews it
+    then, and every third of it (10 s of 30) after, until its blocks are
+    allocated. One allocated in its first step never renews."""
+    from kvguard.vllm import scheduler_side
+
+    now = [1000.0]
+    monkeypatch.setattr(scheduler_side, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    c = connector
+    fast, slow = request("cmpl-r1", "prefill-r1"), request("cmpl-r2", "prefill-r2")
+    c.on_new_request(fast)
+    c.on_new_request(slow)
+    allocate(c, fast, 9)
+    src = Source(ENDPOINT, "prefill-r2", 1)
+    first = step(c)
+    assert ([m.request_id for m in first.loads], first.renews) == (["cmpl-r1"], [src])
+    now[0] += 9.99
+    assert step(c).renews == []
+    now[0] += 0.01
+    assert step(c).renews == [src]
+    now[0] += 5
+    allocate(c, slow, 10)
+    assert [m.request_id for m in step(c).loads] == ["cmpl-r2"]
+    now[0] += 30
+    assert step(c).renews == []
+    finish(c, fast)
+    finish(c, slow)
+    assert groups(c) == {}

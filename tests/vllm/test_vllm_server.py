@@ -201,10 +201,11 @@ def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluste
     ``kvguard_hold_s``, and a decode KV cache of 8 blocks. vLLM starts a
     load once it can allocate the request's blocks (a load does not take a
     run slot), so here the later requests wait for blocks, for several
-    holds (about 24 waves of two), while the path to the decode (proxy,
-    API servers) stays well inside one, however slow the machine. Without
-    renewals their holds expire (``unknown_request``); with them the prefill
-    logs each ``hold_renewed`` and every request loads.
+    holds (about 24 waves of two). A request that waits renews its hold as
+    it reaches the decode's engine, then every third of the hold: only the
+    path there (proxy, API servers) must stay inside one. Without renewals
+    their holds expire (``unknown_request``); with them the prefill logs
+    each ``hold_renewed`` and every request loads.
     """
     c = cluster
     hold_s = 4.0
@@ -250,7 +251,7 @@ def test_more_requests_than_the_decode_holds_queue_past_the_hold(cluster: Cluste
         logs = "\n".join(f"--- {s.name} log\n{s.log_tail(25)}" for s in (prefill, decode))
         # The scenario's premise: requests queued past the hold, which renewals kept.
         assert renewed > 0 and row.max_s > hold_s, f"{row}\n{logs}"
-        assert_outcomes(c, outs, want, set())
+        assert_outcomes(c, outs, want, set(), servers=[prefill, decode])
         assert "NOT IDLE" not in row.decode_idle, f"{row}\n{logs}"
     finally:
         prefill.stop()
