@@ -120,11 +120,10 @@ class DecodeReceiver:
         and the prefills' (``kvguard.curve``). ``bell``: the engine core's
         doorbell (``idle``), rung whenever a load is ready to take."""
         self._curve = curve
-        # No handshake this long after a connect or drop: stalled (one takes ms).
         self.peer = peer
         self._core = DecodeCore(
             peer,
-            stall_s=heartbeat_timeout_s,
+            stall_s=heartbeat_timeout_s,  # no handshake this long after a connect or drop
             margin_s=margin_s,
             compat=compat,
             heads=heads,
@@ -142,8 +141,7 @@ class DecodeReceiver:
         self._poller = zmq.Poller()  # receiver thread only
         self._poller.register(self._inbox, zmq.POLLIN)  # never an empty poll
         self.steps = 0  # receiver thread loop turns (a few hundred a second at most)
-        # Its own context: its I/O thread starts here, with this thread's CPUs
-        # (transfer.affinity), and never shares the host's ZeroMQ I/O thread.
+        # Its own context: its I/O thread has this thread's CPUs (transfer.affinity).
         self._ctx = zmq.Context()
         self._bell = Bell(self._ctx, bell)  # receiver thread only
         self._identity = f"kvguard-decode-{uuid.uuid4().hex}".encode()
@@ -207,10 +205,12 @@ class DecodeReceiver:
         return len(self._socks)
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread, which closes its inbox, sockets and context as it ends."""
         self._stop.set()
         self._inbox.wake()
         self._thread.join(timeout)
-        self._inbox.close()
+        if self._thread.is_alive():
+            _log.error("receiver_thread_stuck", timeout_s=timeout)
 
     # -- the receiver thread ---------------------------------------------------
 
@@ -225,6 +225,7 @@ class DecodeReceiver:
             for s in self._socks.values():
                 _close(s.sock, s.monitor)
             self._bell.close()
+            self._inbox.close()
             self._ctx.term()
 
     def _turn(self) -> None:

@@ -207,16 +207,23 @@ class PrefillSender:
         return self._sched
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop answering decodes and end kvguard's requests (SHUTDOWN)."""
+        """Stop answering decodes and end kvguard's requests (SHUTDOWN).
+
+        The thread closes its inbox and sockets as it ends: ZeroMQ sockets
+        are not thread-safe, and an eventfd closed under a poll may be
+        another file's number by the next one. A thread still running after
+        what it may wait for (reads, digests, transfers) ended keeps them,
+        and the context, open (``sender_thread_stuck``)."""
         self._stop.set()
         self._inbox.wake()
         self._thread.join(timeout)
-        self._inbox.close()
         self._digester.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._sched.close(timeout=timeout)
-        self._sock.close()
-        self._bell.close()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            _log.error("sender_thread_stuck", timeout_s=timeout)
+            return
         if self._guard is not None:
             self._guard.close()
         self._ctx.term()
@@ -224,11 +231,16 @@ class PrefillSender:
     # -- the sender thread -----------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._turn()
-            except Exception:  # the thread must outlive any one bad message
-                _log.exception("sender_loop_error")
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._turn()
+                except Exception:  # the thread must outlive any one bad message
+                    _log.exception("sender_loop_error")
+        finally:  # what this thread polls and sends on, closed by it (``close``)
+            self._sock.close()
+            self._bell.close()
+            self._inbox.close()
 
     def _turn(self) -> None:
         core, sock = self._core, self._sock
