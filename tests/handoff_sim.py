@@ -84,6 +84,7 @@ class Checker:
         self.inflight: dict[_Key, int] = {}  # transfers submitted, not yet released
         self.seen: dict[_Key, set[str]] = {}  # loads a prefill heard of, per request
         self.early: dict[_Key, tuple[float, float]] = {}  # released before its deadline: when, it
+        self.renewed: dict[_Key, float] = {}  # a Renew read before its hold began: when
         self.cancelled: set[str] = set()  # decode requests vLLM gave up while loading
         self.told: dict[
             str, list[int]
@@ -104,6 +105,9 @@ class Checker:
     def hold(self, world: World, pr: PRank, rid: str, deadline: float) -> None:
         key = (pr.uid, pr.inc, rid)
         last = world.now + self.cfg.max_hold_s
+        renewed = self.renewed.pop(key, None)
+        if renewed is not None:  # the decode queued first: the hold starts renewed
+            deadline = max(deadline, min(renewed + self.cfg.hold_s, last))
         self.holds[key] = [deadline, last]
         heapq.heappush(self.max_holds, (last + TOL, key))
 
@@ -113,6 +117,8 @@ class Checker:
             held = self.holds.get(key)
             if held is not None:
                 held[0] = max(held[0], min(world.now + self.cfg.hold_s, held[1]))
+            else:  # not begun (or ended: a key is held once, so never used then)
+                self.renewed[key] = world.now
             return
         if isinstance(msg, Abort) and not msg.load_id:
             return

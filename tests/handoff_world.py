@@ -278,8 +278,9 @@ class World(Network):
             self.at(
                 self.now + self.rng.uniform(0.0, 1.5 * self.cfg.deadline_s), self._client_abort, ch
             )
-        self.at(self.now + max(self.cfg.hold_s / 3, 0.1), self._renew, ch)
         self._schedule(ds)
+        # As the scheduler side: one not allocated in its first step renews then.
+        self.at(self.now, self._renew, ch)
 
     def _source(self, ch: Child) -> Source:
         """``ch``'s prefill request as its ``kv_transfer_params`` name it."""

@@ -329,3 +329,36 @@ def test_an_abort_in_flight_asks_kvguard_and_a_released_peer_stays_known() -> No
     assert core.malformed(D, ("r", "z"), "x") == [
         Reply(D, Result("r", "z", False, LoadEnd.BAD_REQUEST.value, "x"))
     ]
+
+
+def test_a_renewal_read_before_its_hold_extends_the_hold_once_it_begins() -> None:
+    """A decode renews as soon as its request queues, which may be before
+    the prefill's worker has the hold (vLLM hands it over a step after the
+    request finished): the renewal is kept, and counted when the hold begins."""
+    core = PrefillCore(renew_s=30.0, max_hold_s=60.0)
+    assert core.receive(D, Renew("r"), 100.0, 100.0) == []
+    assert (core.stats.renewed, core.holding(), core.next_wake()) == (0, 0, None)
+    assert core.hold("r", [1], 104.0, now=101.0) == []
+    assert core.stats.renewed == 1 and core.next_wake() == 130.0  # 100 + 30, not 104
+    assert core.step(129.9) == [] and core.step(130.0) == [Release("r")]
+    assert core.hold("s", [2], 140.0, now=131.0) == []
+    assert core.next_wake() == 140.0 and core.stats.renewed == 1  # used once, by "r" only
+
+
+def test_an_early_renewal_never_pins_a_hold_past_the_max_hold() -> None:
+    core = PrefillCore(renew_s=30.0, max_hold_s=10.0)
+    core.receive(D, Renew("r"), 100.0, 100.0)
+    assert core.hold("r", [1], 104.0, now=101.0) == []
+    assert core.next_wake() == 111.0  # the cap, 101 + 10, before 100 + 30
+    assert core.step(111.0) == [Release("r")]
+
+
+def test_early_renewals_are_bounded_and_one_for_a_released_hold_is_not_kept() -> None:
+    core = PrefillCore(renew_s=30.0, max_hold_s=60.0)
+    for i in range(MAX_EARLY + 1):  # a hostile or confused decode: the oldest goes
+        core.receive(D, Renew(f"x{i}"), 100.0, 100.0)
+    assert core.hold("x0", [1], 104.0, now=101.0) == [] and core.next_wake() == 104.0
+    assert core.step(104.0) == [Release("x0")]
+    core.receive(D, Renew("x0"), 105.0, 105.0)  # released: kept, it would push "x1" out
+    assert core.hold("x1", [2], 106.0, now=105.0) == []
+    assert core.next_wake() == 130.0 and core.stats.renewed == 1

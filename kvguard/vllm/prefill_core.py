@@ -77,6 +77,7 @@ class PrefillCore:
         self._aborted: Bounded[tuple[str, str], None] = Bounded(RECENT)  # given-up loads
         # Forgets (an Abort with no load id) read before their hold: counted in it.
         self._forgets: Bounded[str, tuple[int, int]] = Bounded(MAX_EARLY)  # (count, group)
+        self._renewed: Bounded[str, float] = Bounded(MAX_EARLY)  # Renews before it: when
         self._peers = PeerLedger()
         # (due, request, load): a hold's deadline (load "") or an EARLY push's wait
         self._timers: LazyHeap[float, tuple[float, str, str]] = LazyHeap(self._timer_live)
@@ -120,6 +121,8 @@ class PrefillCore:
         hold = Hold(rid, list(blocks), deadline, now + self._max_hold_s)
         self._holds[rid] = hold
         self._timers.push(deadline, (deadline, rid, ""))
+        if (renewed := self._renewed.pop(rid, None)) is not None:
+            self._renew(rid, renewed)  # a decode queued for it before vLLM handed it over
         self.stats.held += 1
         hold.forgotten, hold.group = self._forgets.pop(rid, (0, 1))
         out: list[PrefillAction] = []
@@ -372,8 +375,10 @@ class PrefillCore:
 
     def _renew(self, rid: str, now: float) -> None:
         hold = self._holds.get(rid)
-        if hold is None:
-            return  # ended: the decode's push will hear why
+        if hold is None:  # ended (the decode's push will hear why), or not begun yet
+            if rid not in self._recent:
+                self._renewed[rid] = now
+            return
         until = min(now + self._renew_s, hold.last)
         if until <= hold.deadline:
             return
