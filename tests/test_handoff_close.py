@@ -3,9 +3,9 @@ a receiver's thread may still poll or send on.
 
 ZeroMQ sockets are not thread-safe, and an eventfd closed under a poll may
 be another file's number by the next one. Each thread closes its inbox and
-sockets itself as it ends; a ``close`` whose thread does not end in time
-says so (``sender_thread_stuck``, ``receiver_thread_stuck``) and leaves them
-to it.
+sockets (and its ZeroMQ context) itself as it ends; a ``close`` whose
+thread does not end in time says so (``sender_thread_not_ended``,
+``receiver_thread_not_ended``) and leaves them to it.
 """
 
 from __future__ import annotations
@@ -63,18 +63,19 @@ def test_a_sender_whose_thread_will_not_end_leaves_its_inbox_and_socket_to_it(
         gate = stuck(monkeypatch, sender)
         with capture_logs() as logs:
             sender.close(timeout=0.1)
-        assert [e for e in logs if e["event"] == "sender_thread_stuck"] == [
-            {"event": "sender_thread_stuck", "log_level": "error", "timeout_s": 0.1}
+        assert [e for e in logs if e["event"] == "sender_thread_not_ended"] == [
+            {"event": "sender_thread_not_ended", "log_level": "error", "timeout_s": 0.1}
         ]
-        assert sender._thread.is_alive()
-        assert not sender._sock.closed and fd_open(fd) and not sender._ctx.closed
+        assert sender._thread.is_alive() and not sender._inbox._closed and fd_open(fd)
+        assert not sender._sock.closed and not sender._ctx.closed
         gate.set()
         sender._thread.join(5)
         assert not sender._thread.is_alive()
-        assert sender._sock.closed and sender._inbox._closed  # closed by the thread, at its end
+        # closed by the thread, at its end
+        assert sender._sock.closed and sender._inbox._closed and sender._ctx.closed
         with capture_logs() as logs:
-            sender.close(timeout=0.1)  # again: what the thread left, the context
-        assert sender._ctx.closed and logs == []
+            sender.close(timeout=0.1)  # again: nothing left to do, nothing said
+        assert logs == []
     finally:
         gate.set()
         backend.close()
@@ -88,7 +89,7 @@ def test_a_sender_closes_everything_once_its_thread_ends() -> None:
     with capture_logs() as logs:
         sender.close(timeout=2.0)
     assert not sender._thread.is_alive() and sender._sock.closed and sender._inbox._closed
-    assert sender._ctx.closed and [e for e in logs if "stuck" in e["event"]] == []
+    assert sender._ctx.closed and [e for e in logs if "not_ended" in e["event"]] == []
     backend.close()
 
 
@@ -103,10 +104,11 @@ def test_a_receiver_whose_thread_will_not_end_leaves_its_inbox_to_it(
         gate = stuck(monkeypatch, receiver)
         with capture_logs() as logs:
             receiver.close(timeout=0.1)
-        assert [e for e in logs if e["event"] == "receiver_thread_stuck"] == [
-            {"event": "receiver_thread_stuck", "log_level": "error", "timeout_s": 0.1}
+        assert [e for e in logs if e["event"] == "receiver_thread_not_ended"] == [
+            {"event": "receiver_thread_not_ended", "log_level": "error", "timeout_s": 0.1}
         ]
-        assert receiver._thread.is_alive() and fd_open(fd) and not receiver._ctx.closed
+        assert receiver._thread.is_alive() and not receiver._inbox._closed and fd_open(fd)
+        assert not receiver._ctx.closed
         gate.set()
         receiver._thread.join(5)
         assert not receiver._thread.is_alive()

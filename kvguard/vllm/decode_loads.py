@@ -210,7 +210,7 @@ class DecodeReceiver:
         self._inbox.wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            _log.error("receiver_thread_stuck", timeout_s=timeout)
+            _log.error("receiver_thread_not_ended", timeout_s=timeout)
 
     # -- the receiver thread ---------------------------------------------------
 

@@ -209,11 +209,11 @@ class PrefillSender:
     def close(self, timeout: float = 5.0) -> None:
         """Stop answering decodes and end kvguard's requests (SHUTDOWN).
 
-        The thread closes its inbox and sockets as it ends: ZeroMQ sockets
-        are not thread-safe, and an eventfd closed under a poll may be
-        another file's number by the next one. A thread still running after
-        what it may wait for (reads, digests, transfers) ended keeps them,
-        and the context, open (``sender_thread_stuck``)."""
+        The thread closes its inbox, sockets and context as it ends: ZeroMQ
+        sockets are not thread-safe, and an eventfd closed under a poll may
+        be another file's number by the next one. One still running after
+        what it may wait for (reads, digests, transfers) ended is logged
+        (``sender_thread_not_ended``) and keeps them until it ends."""
         self._stop.set()
         self._inbox.wake()
         self._thread.join(timeout)
@@ -222,11 +222,7 @@ class PrefillSender:
         self._sched.close(timeout=timeout)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            _log.error("sender_thread_stuck", timeout_s=timeout)
-            return
-        if self._guard is not None:
-            self._guard.close()
-        self._ctx.term()
+            _log.error("sender_thread_not_ended", timeout_s=timeout)
 
     # -- the sender thread -----------------------------------------------------
 
@@ -241,6 +237,9 @@ class PrefillSender:
             self._sock.close()
             self._bell.close()
             self._inbox.close()
+            if self._guard is not None:
+                self._guard.close()
+            self._ctx.term()
 
     def _turn(self) -> None:
         core, sock = self._core, self._sock
