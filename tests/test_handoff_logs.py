@@ -147,3 +147,14 @@ def test_the_decode_logs_each_link_transition_and_each_stray_verdict() -> None:
         {"event": "kv_load_released", "log_level": "info", "request": "d", "reason": "aborted"},
         {"event": "prefill_link_closed", "log_level": "info", "endpoint": EP, "state": "UP"},
     ]
+
+
+def test_a_renewal_logs_how_much_of_the_hold_it_found_left() -> None:
+    """``left_s`` near 0: the decode's renewals barely keep up (a slow path to it)."""
+    core = PrefillCore(renew_s=30.0, max_hold_s=60.0)
+    core.hold("r", [1], 105.0, now=100.0)
+    with capture_logs() as logs:
+        core.receive(D, Renew("r"), 101.23456, 101.23456)
+    assert logs == [
+        {"event": "hold_renewed", "log_level": "debug", "request": "r", "left_s": 3.765}
+    ]
