@@ -27,6 +27,8 @@ Invariants (the ``invariant`` names):
 * ``group``: a hold released before its deadline had its group settled: no
   new load of a declared group (n > 1, ``kvguard_loads``) is pushed after;
 * ``max_hold``: no hold outlives ``max_hold_s`` but for a transfer in flight;
+* ``renew``: no hold expires before its deadline as the decodes' renewals
+  set it (one read before the hold began included);
 * ``once``: each worker tells vLLM of a request at most once as load
   errors and exactly once finished, and vLLM frees its blocks only then;
 * ``drain``: at rest nothing is held, waited on, in flight or out of its pool;
@@ -167,6 +169,13 @@ class Checker:
                 f"{pr.url} released {rid} with {self.inflight[key]} transfer(s) of it in flight",
             )
         if world.now < held[0]:
+            if pr.core is not None and pr.core._recent.get(rid) == "expired":
+                self.fail(
+                    world,
+                    "renew",
+                    f"{pr.url} let {rid}'s hold expire at t={world.now:.6f}s, before "
+                    f"t={held[0]:.6f}s, which renewals had set",
+                )
             self.early[key] = (world.now, held[0])
         else:
             world.seen["hold ran out"] += 1

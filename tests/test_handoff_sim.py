@@ -273,6 +273,28 @@ def _renew_past_max(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(PrefillCore, "_renew", uncapped)
 
 
+def _renewal_ignored(mp: pytest.MonkeyPatch) -> None:
+    """(9) A renewal of a hold the prefill has is dropped: queued decodes lose it."""
+    renew = PrefillCore._renew
+
+    def dropped(self: PrefillCore, rid: str, now: float) -> None:
+        if rid not in self._holds:
+            renew(self, rid, now)
+
+    mp.setattr(PrefillCore, "_renew", dropped)
+
+
+def _early_renewal_dropped(mp: pytest.MonkeyPatch) -> None:
+    """(10) A renewal read before its hold began is dropped, as before 3c73771."""
+    renew = PrefillCore._renew
+
+    def dropped(self: PrefillCore, rid: str, now: float) -> None:
+        if rid in self._holds:
+            renew(self, rid, now)
+
+    mp.setattr(PrefillCore, "_renew", dropped)
+
+
 SEEDED_BUGS = {
     "group_size_ignored": SeededBug(_group_size_ignored, frozenset({"group"})),
     # The second transfer writes blocks the first's answer handed back (I6),
@@ -286,6 +308,8 @@ SEEDED_BUGS = {
     "verdict_asked_once": SeededBug(_verdict_asked_once, frozenset({"drain"})),
     "remade_link_fresh": SeededBug(_remade_link_fresh, frozenset({"I6"})),
     "renew_past_max": SeededBug(_renew_past_max, frozenset({"max_hold"}), STORMY),
+    "renewal_ignored": SeededBug(_renewal_ignored, frozenset({"renew"}), STORMY),
+    "early_renewal_dropped": SeededBug(_early_renewal_dropped, frozenset({"renew"})),
 }
 
 
