@@ -46,6 +46,7 @@ from handoff_world import World
 
 from kvguard.vllm.decode_legs import Verdict
 from kvguard.vllm.protocol import Abort, Push, Renew, Result
+from kvguard.vllm.states import HoldEnd
 
 __all__ = ["TOL", "Checker", "Config", "InvariantViolated", "Outcome", "run"]
 
@@ -169,7 +170,7 @@ class Checker:
                 f"{pr.url} released {rid} with {self.inflight[key]} transfer(s) of it in flight",
             )
         if world.now < held[0]:
-            if pr.core is not None and pr.core._recent.get(rid) == "expired":
+            if pr.core is not None and pr.core._recent.get(rid) == HoldEnd.EXPIRED.value:
                 self.fail(
                     world,
                     "renew",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,23 +52,40 @@ def fd_open(fd: int) -> bool:
     return True
 
 
-def test_a_sender_whose_thread_will_not_end_leaves_its_inbox_and_socket_to_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    backend = LocalBackend(workers=1)
+def close_unended(owner: Any, event: str) -> None:
+    """Close ``owner`` with its thread held: ``event`` is logged, once, and
+    the thread keeps its inbox, whose fd stays open."""
+    fd = owner._inbox.fileno()
+    with capture_logs() as logs:
+        owner.close(timeout=0.1)
+    assert [e for e in logs if e["event"] == event] == [
+        {"event": event, "log_level": "error", "timeout_s": 0.1}
+    ]
+    assert owner._thread.is_alive() and not owner._inbox._closed and fd_open(fd)
+    assert not owner._ctx.closed
+
+
+@pytest.fixture
+def backend() -> Iterator[LocalBackend]:
+    b = LocalBackend(workers=1)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def sender(backend: LocalBackend) -> PrefillSender:
     src = KVCache(LAYOUT)
     backend.register_source(src)
-    sender = PrefillSender(backend, src, "tcp://127.0.0.1:0")
-    fd = sender._inbox.fileno()
+    return PrefillSender(backend, src, "tcp://127.0.0.1:0")
+
+
+def test_a_sender_whose_thread_will_not_end_leaves_its_inbox_and_socket_to_it(
+    monkeypatch: pytest.MonkeyPatch, sender: PrefillSender
+) -> None:
+    gate = stuck(monkeypatch, sender)
     try:
-        gate = stuck(monkeypatch, sender)
-        with capture_logs() as logs:
-            sender.close(timeout=0.1)
-        assert [e for e in logs if e["event"] == "sender_thread_not_ended"] == [
-            {"event": "sender_thread_not_ended", "log_level": "error", "timeout_s": 0.1}
-        ]
-        assert sender._thread.is_alive() and not sender._inbox._closed and fd_open(fd)
-        assert not sender._sock.closed and not sender._ctx.closed
+        close_unended(sender, "sender_thread_not_ended")
+        assert not sender._sock.closed
         gate.set()
         sender._thread.join(5)
         assert not sender._thread.is_alive()
@@ -78,41 +96,25 @@ def test_a_sender_whose_thread_will_not_end_leaves_its_inbox_and_socket_to_it(
         assert logs == []
     finally:
         gate.set()
-        backend.close()
 
 
-def test_a_sender_closes_everything_once_its_thread_ends() -> None:
-    backend = LocalBackend(workers=1)
-    src = KVCache(LAYOUT)
-    backend.register_source(src)
-    sender = PrefillSender(backend, src, "tcp://127.0.0.1:0")
+def test_a_sender_closes_everything_once_its_thread_ends(sender: PrefillSender) -> None:
     with capture_logs() as logs:
         sender.close(timeout=2.0)
     assert not sender._thread.is_alive() and sender._sock.closed and sender._inbox._closed
     assert sender._ctx.closed and [e for e in logs if "not_ended" in e["event"]] == []
-    backend.close()
 
 
 def test_a_receiver_whose_thread_will_not_end_leaves_its_inbox_to_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, backend: LocalBackend
 ) -> None:
-    backend = LocalBackend(workers=1)
-    info = backend.register_peer("decode:1", KVCache(LAYOUT))
-    receiver = DecodeReceiver(peer_message_of(info))
-    fd = receiver._inbox.fileno()
+    receiver = DecodeReceiver(peer_message_of(backend.register_peer("decode:1", KVCache(LAYOUT))))
+    gate = stuck(monkeypatch, receiver)
     try:
-        gate = stuck(monkeypatch, receiver)
-        with capture_logs() as logs:
-            receiver.close(timeout=0.1)
-        assert [e for e in logs if e["event"] == "receiver_thread_not_ended"] == [
-            {"event": "receiver_thread_not_ended", "log_level": "error", "timeout_s": 0.1}
-        ]
-        assert receiver._thread.is_alive() and not receiver._inbox._closed and fd_open(fd)
-        assert not receiver._ctx.closed
+        close_unended(receiver, "receiver_thread_not_ended")
         gate.set()
         receiver._thread.join(5)
         assert not receiver._thread.is_alive()
         assert receiver._inbox._closed and receiver._ctx.closed  # by the thread, at its end
     finally:
         gate.set()
-        backend.close()
