@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.vllm.diagnosis import state_of
 from tests.vllm.ports import free_port
 from tests.vllm.sessions import session_alive, session_cpu_seconds
 
@@ -325,6 +326,7 @@ class Server:
             if time.monotonic() - t0 > within_s:
                 raise AssertionError(
                     f"{self.name} not idle {within_s}s on: {load}\n--- log\n{self.log_tail()}"
+                    f"\n{state_of(self)}"
                 )
             time.sleep(0.25)
 
@@ -337,7 +339,9 @@ class Server:
                 if json.loads(r.read())["success"]:
                     return
             if time.monotonic() > end:
-                raise AssertionError(f"{self.name}: prefix cache not reset:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"{self.name}: prefix cache not reset:\n{self.log_tail(12)}\n{state_of(self)}"
+                )
             time.sleep(0.5)
 
 

@@ -57,6 +57,7 @@ import pytest
 from tests.vllm import servers as harness
 from tests.vllm.client import Outcome, ask, complete, http_session, prompts_of, run
 from tests.vllm.cluster import first_done, spread
+from tests.vllm.diagnosis import state_of
 from tests.vllm.docs import checked_block, jobs_of, local
 from tests.vllm.ports import free_port
 from tests.vllm.servers import LOGS, Server, start_all
@@ -122,7 +123,10 @@ class Deployment:
         )
 
     def logs(self) -> str:
-        return "\n".join(f"--- {s.name}\n{s.log_tail(20)}" for s in [*self.servers, self.router])
+        """Each server's log tail, then each live server's kvguard state."""
+        tails = [f"--- {s.name}\n{s.log_tail(20)}" for s in [*self.servers, self.router]]
+        live = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+        return "\n".join(tails + [state_of(s) for s in live])
 
 
 @pytest.fixture(scope="module")
