@@ -221,6 +221,36 @@ def test_a_failed_leg_fails_the_request_once_no_leg_may_write() -> None:
     assert legs_.in_use() == {} and legs_.released("a") is None
 
 
+def test_a_release_taken_before_its_fenced_report_ends_the_load_with_it() -> None:
+    """The worker takes the receiver's reports, then its releases: a load
+    fenced and released between the two takes comes as its release first.
+    Its report then finishes it (seen in CI: the load was lost for good and
+    its request never finished)."""
+    legs_ = DecodeLegs()
+    legs_.start("r", [7, 8], ["r"])
+    assert legs_.released("r") is None  # kept for its report
+    assert legs_.in_use() == {"r": 2}
+    final = legs_.reported(_failed("r", fenced=True))
+    gone = LoadOutcome("r", LoadEnd.PEER_LOST, "gone", 0.2, fenced=True)
+    assert final == Verdict("r", [7, 8], gone, True)
+    assert legs_.in_use() == {} and legs_.released("r") is None
+    # Never quarantined: vLLM has the blocks back with its first word of the load.
+    assert legs_.recent_outcomes() == [LoadOutcome("r", LoadEnd.PEER_LOST, "gone", 0.2)]
+
+
+def test_an_early_release_of_one_leg_waits_for_the_others() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [3], ["a", "b"])
+    assert legs_.released("b") is None
+    early = legs_.reported(_failed("a", fenced=True))
+    assert early is not None and not early.final  # load errors now: a may still write
+    assert legs_.reported(_failed("b", fenced=True)) is None  # b is over, a is still fenced
+    assert legs_.released("b") is None  # its release was spent
+    final = legs_.released("a")
+    assert final is not None and final.final and final.outcome.reason == "peer_lost"
+    assert legs_.in_use() == {}
+
+
 def test_an_unfenced_failure_still_waits_for_the_other_legs() -> None:
     legs_ = DecodeLegs()
     legs_.start("r", [3], ["a", "b"])

@@ -54,6 +54,10 @@ class _Load:
     blocks: list[int]
     pending: set[str]  # legs not reported yet
     fenced: set[str] = field(default_factory=set)  # reported fenced, not released yet
+    # Pending legs already released: the worker takes the receiver's releases
+    # and reports one after the other, so a release can come a take before
+    # its fenced report; that report then ends the leg. A subset of pending.
+    early: set[str] = field(default_factory=set)
     outcome: LoadOutcome | None = None  # the first failure, or the last loaded leg's
     latency_s: float = 0.0  # the slowest leg's, so far
     state: RequestState = RequestState.LOADING
@@ -125,9 +129,10 @@ class DecodeLegs:
             return None
         load.pending.discard(out.request_id)
         load.latency_s = max(load.latency_s, out.latency_s)
-        if out.fenced:
+        if out.fenced and out.request_id not in load.early:
             load.fenced.add(out.request_id)
         else:
+            load.early.discard(out.request_id)
             del self._request[out.request_id]
         if load.outcome is None or (load.outcome.ok and not out.ok):
             load.outcome = out
@@ -145,11 +150,18 @@ class DecodeLegs:
         return self._verdict(rid, load)
 
     def released(self, leg: str) -> Verdict | None:
-        """A fenced leg nothing writes any more, from ``take_released``."""
-        rid = self._request.pop(leg, None)
+        """A fenced leg nothing writes any more, from ``take_released``;
+        one not reported yet is kept for its report (``_Load.early``)."""
+        rid = self._request.get(leg)
         load = None if rid is None else self._loads.get(rid)
-        if rid is None or load is None or leg not in load.fenced:
+        if rid is None or load is None:
             return None
+        if leg in load.pending:
+            load.early.add(leg)
+            return None
+        if leg not in load.fenced:
+            return None
+        del self._request[leg]
         load.fenced.discard(leg)
         return self._verdict(rid, load)
 
