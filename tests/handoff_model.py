@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.vllm.actions import Submit
+from kvguard.vllm.actions import LoadOutcome, Submit
 from kvguard.vllm.decode_core import DecodeCore
 from kvguard.vllm.decode_legs import DecodeLegs
 from kvguard.vllm.prefill_core import PrefillCore
@@ -60,6 +60,9 @@ class Config:
     hb_s: float = 0.5  # heartbeat timeout: the decode's stall_s
     margin_s: float = 0.05
     monitor_s: float = 0.005  # the receiver thread reads its monitor up to this late (the GIL)
+    # The worker takes the receiver's releases up to this long after its
+    # reports (one step's logging between): the receiver may add to both.
+    take_gap_s: float = 0.01
     skew_s: float = 0.005  # wall clocks differ by up to this
     p_fail: float = 0.05  # a transfer fails ...
     p_hang: float = 0.02  # ... hangs past its deadline ...
@@ -116,6 +119,10 @@ class DRank:
             heads=(heads.first, heads.count),
         )
         self.legs = DecodeLegs()
+        # The receiver thread's lists, until the worker's step takes them.
+        self.finished: list[LoadOutcome] = []
+        self.unfenced: list[str] = []
+        self.taking = False  # a worker step is due to take them
         self.socks: dict[str, Sock] = {}
         self.wake = float("inf")
 

@@ -15,11 +15,11 @@ seed, the simulated time and the last events.
 Invariants (the ``invariant`` names):
 
 * ``deadline``: every decode request vLLM still waits on is told to it by
-  its deadline (plus ``TOL``) on every worker: finished (loaded or failed)
-  or its blocks as load errors. One vLLM gave up first (a client abort, or
-  failed on another worker's load errors) waits for the prefill's verdict
-  instead, as ``DecodeCore.cancel`` says: its blocks may be written until
-  then (``drain`` checks it ends);
+  its deadline (plus ``TOL`` and the worker's step that takes it) on every
+  worker: finished (loaded or failed) or its blocks as load errors. One
+  vLLM gave up first (a client abort, or failed on another worker's load
+  errors) waits for the prefill's verdict instead, as ``DecodeCore.cancel``
+  says: its blocks may be written until then (``drain`` checks it ends);
 * ``I6``: no decode block is written by a prefill engine after vLLM got it
   back (freed it, or gave it to another request);
 * ``release``: a prefill releases each hold once, never with a transfer of
@@ -41,7 +41,7 @@ import heapq
 import traceback
 from dataclasses import dataclass, field
 
-from handoff_model import FROZEN, Child, Config, DRank, PRank, Xfer
+from handoff_model import FROZEN, STEP_S, Child, Config, DRank, PRank, Xfer
 from handoff_world import World
 
 from kvguard.vllm.decode_legs import Verdict
@@ -204,7 +204,9 @@ class Checker:
 
     def loading(self, world: World, ch: Child, workers: int) -> None:
         self.told[ch.rid] = [0] * workers
-        heapq.heappush(self.deadlines, (ch.deadline + TOL, ch.rid))
+        # vLLM hears it at the worker's next step: up to one step and a take's gap later.
+        due = ch.deadline + TOL + STEP_S[1] + self.cfg.take_gap_s
+        heapq.heappush(self.deadlines, (due, ch.rid))
 
     def verdict(self, world: World, dr: DRank, ch: Child, v: Verdict) -> None:
         told = self.told.get(ch.rid)
@@ -239,7 +241,8 @@ class Checker:
                 self.fail(
                     world,
                     "deadline",
-                    f"decode request {rid} not told to vLLM by its deadline t={due - TOL:.6f}s "
+                    f"decode request {rid} not told to vLLM by its deadline and a step, "
+                    f"t={due:.6f}s "
                     f"(workers {told})",
                 )
         while max_holds and max_holds[0][0] < now:

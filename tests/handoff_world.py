@@ -20,7 +20,9 @@ everything around them is modelled on what the deployment does:
   full prefix hits and clients giving up (a forget, or a cancel while
   loading), load errors failing a request, and a client sending a refused
   request again; under it one ``DecodeCore`` and ``DecodeLegs`` per tensor
-  parallel rank, with the connector's legs (``ranks.legs``).
+  parallel rank, with the connector's legs (``ranks.legs``); each engine
+  step the worker takes what the receiver thread reported, and its
+  releases a moment later, as ``worker.get_transfer_results`` does.
 
 ``handoff_sim`` owns the invariants (``Checker``) and runs worlds.
 """
@@ -55,6 +57,7 @@ from kvguard.vllm.actions import (
     AbortTransfer,
     Close,
     DecodeAction,
+    LoadOutcome,
     Open,
     PrefillAction,
     Probe,
@@ -216,10 +219,12 @@ class World(Network):
                 self.seen[f"load {'fenced ' if out.fenced else ''}{out.end.value}"] += 1
                 if out.end in RETRIED and not out.fenced:
                     self.kids[out.request_id.split("#")[0]].refused += 1
-                self._verdict(dr, dr.legs.reported(a.outcome))
+                dr.finished.append(a.outcome)
+                self._w_wake(dr)
             elif isinstance(a, Unfence):
                 self.seen["load unfenced"] += 1
-                self._verdict(dr, dr.legs.released(a.request_id))
+                dr.unfenced.append(a.request_id)
+                self._w_wake(dr)
             elif isinstance(a, Open):
                 self._open(dr, a)
             elif isinstance(a, Close):
@@ -230,6 +235,27 @@ class World(Network):
         if wake is not None and wake < dr.wake:
             dr.wake = wake
             self.at(self.turn(wake), self._d_step, dr, wake)
+
+    def _w_wake(self, dr: DRank) -> None:
+        if not dr.taking:
+            dr.taking = True
+            self.at(self.now + self.rng.uniform(*STEP_S), self._w_take, dr)
+
+    def _w_take(self, dr: DRank) -> None:
+        """The worker's step (``get_transfer_results``), every engine step
+        while it loads: the receiver's reports, then its releases a moment
+        later, each list taken whole."""
+        outs, dr.finished = dr.finished, []
+        self.at(self.now + self.rng.uniform(0.0, self.cfg.take_gap_s), self._w_taken, dr, outs)
+
+    def _w_taken(self, dr: DRank, outs: list[LoadOutcome]) -> None:
+        rids, dr.unfenced, dr.taking = dr.unfenced, [], False
+        for out in outs:
+            self._verdict(dr, dr.legs.reported(out))
+        for rid in rids:
+            self._verdict(dr, dr.legs.released(rid))
+        if dr.legs.in_use() or dr.finished or dr.unfenced:  # vLLM steps while loads wait
+            self._w_wake(dr)
 
     def _d_step(self, dr: DRank, wake: float) -> None:
         if dr.wake == wake:
@@ -320,6 +346,7 @@ class World(Network):
         for dr in ds.ranks:  # the worker's _expect
             asks = dr.pairing.asks(ch.rid, src)
             dr.legs.start(ch.rid, ch.blocks, [a.leg_id for a in asks])
+            self._w_wake(dr)
             ch.legs += len(asks)
             for a in asks:
                 acts = dr.core.expect(

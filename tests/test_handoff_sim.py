@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 from kvguard.vllm.actions import DecodeAction, Open, Release, Reply, Send, Submit, Unfence
 from kvguard.vllm.decode_core import DecodeCore
+from kvguard.vllm.decode_legs import DecodeLegs, Verdict
 from kvguard.vllm.decode_records import Wait
 from kvguard.vllm.prefill_core import PrefillCore
 from kvguard.vllm.prefill_records import Hold, PushRecord
@@ -155,6 +156,9 @@ FLAPPING = replace(  # prefills pausing 3 times a second for up to 4 heartbeat t
     crash=0.02,
     partition=0.05,
     monitor_s=0.02,
+)
+KILLING = replace(  # prefills killed 3 times a second: loads fenced, then proven gone at once
+    STORMY, crash=3.0, freeze=0.3, max_down_s=0.5
 )
 SEEDS = range(1, 11)
 
@@ -295,6 +299,22 @@ def _early_renewal_dropped(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(PrefillCore, "_renew", dropped)
 
 
+def _early_release_lost(mp: pytest.MonkeyPatch) -> None:
+    """(11) A release the worker takes before its load's fenced report is
+    dropped, and with it the load: its request never finishes (as before
+    this was found in CI)."""
+
+    def lost(self: DecodeLegs, leg: str) -> Verdict | None:
+        rid = self._request.pop(leg, None)
+        load = None if rid is None else self._loads.get(rid)
+        if rid is None or load is None or leg not in load.fenced:
+            return None
+        load.fenced.discard(leg)
+        return self._verdict(rid, load)
+
+    mp.setattr(DecodeLegs, "released", lost)
+
+
 SEEDED_BUGS = {
     "group_size_ignored": SeededBug(_group_size_ignored, frozenset({"group"})),
     # The second transfer writes blocks the first's answer handed back (I6),
@@ -310,6 +330,7 @@ SEEDED_BUGS = {
     "renew_past_max": SeededBug(_renew_past_max, frozenset({"max_hold"}), STORMY),
     "renewal_ignored": SeededBug(_renewal_ignored, frozenset({"renew"}), STORMY),
     "early_renewal_dropped": SeededBug(_early_renewal_dropped, frozenset({"renew"})),
+    "early_release_lost": SeededBug(_early_release_lost, frozenset({"deadline", "drain"}), KILLING),
 }
 
 
@@ -336,9 +357,9 @@ def test_each_seeded_bug_is_found_on_every_seed(bug: str, monkeypatch: pytest.Mo
     assert (missed, wrong) == ([], [])
 
 
-@pytest.mark.parametrize("world", ["STORMY", "FLAPPING"])
+@pytest.mark.parametrize("world", ["STORMY", "FLAPPING", "KILLING"])
 def test_the_clean_cores_pass_the_same_seeds(world: str) -> None:
-    cfg = {"STORMY": STORMY, "FLAPPING": FLAPPING}[world]
+    cfg = {"STORMY": STORMY, "FLAPPING": FLAPPING, "KILLING": KILLING}[world]
     outs = [run(seed, cfg, stop_on_violation=False) for seed in SEEDS]
     print("\n" + report_line(f"clean cores, {world}", outs))
     assert [o.violation for o in outs] == [None] * len(SEEDS)
