@@ -121,6 +121,7 @@ class _Receiver:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.finished: list[LoadOutcome] = []
+        self.released: list[str] = []
 
     def expect(self, *args: Any) -> None:
         self.calls.append(("expect", *args))
@@ -133,7 +134,8 @@ class _Receiver:
         return out
 
     def take_released(self) -> list[str]:
-        return []
+        out, self.released = self.released, []
+        return out
 
 
 def test_an_mla_decode_rank_tells_the_prefills_spare_ranks_once_its_load_is_over() -> None:
@@ -172,3 +174,27 @@ def test_an_mla_decode_rank_tells_the_prefills_spare_ranks_once_its_load_is_over
         ("forget", "tcp://127.0.0.1:17603", "p3", 2),
     ]
     assert w._spares == {}  # each load's spares told once, then dropped
+
+
+def test_a_load_released_before_the_worker_took_its_fenced_report_still_finishes() -> None:
+    """The receiver thread may report a load fenced and lift its fence (a
+    killed prefill's port is refused at once) between the worker's two
+    takes: after ``take_finished``, before ``take_released``. The release
+    then comes a step before its report. The request must still finish when
+    the report comes (CI: it was lost, the request waited for good and its
+    blocks never came back)."""
+    w = KVGuardWorker(_config("LBHNC", 1), Settings.of({}), producer=False)
+    w.rank = RankHeads(0, 1, HEADS)
+    w._pairing = Pairing(w.rank, head_major=False)
+    fake = _Receiver()
+    w.receiver = fake  # type: ignore[assignment]
+    source = Source("tcp://127.0.0.1:17600", "p1", 1)
+    w.bind(KVGuardMetadata(loads=[LoadMeta("d1", [3, 4], source, time.monotonic() + 10, 1)]))
+    fake.released = ["d1"]  # its report came after this step's take_finished
+    results = w.get_transfer_results(set())
+    assert (results.finished_recving, w.get_block_ids_with_load_errors()) == (set(), set())
+    fake.finished = [LoadOutcome("d1", LoadEnd.PEER_LOST, "prefill gone", 0.1, fenced=True)]
+    results = w.get_transfer_results(set())
+    assert (results.finished_recving, results.failed_recving) == ({"d1"}, {"d1"})
+    assert w.get_block_ids_with_load_errors() == set()  # finished at once: no load errors
+    assert w._legs.in_use() == {}
