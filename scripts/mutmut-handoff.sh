@@ -22,6 +22,7 @@ source_paths = [
     "kvguard/vllm/decode_core.py",
     "kvguard/vllm/decode_links.py",
     "kvguard/vllm/decode_records.py",
+    "kvguard/vllm/decode_legs.py",
 ]
 timeout_multiplier = 4.0
 also_copy = ["docs/", "lifecycle/", "scheduler/", "transfer/", "kvguard/", "benchmarks/"]
@@ -33,6 +34,7 @@ pytest_add_cli_args_test_selection = [
     "tests/test_handoff_sim.py::test_the_clean_cores_pass_the_same_seeds",
     "tests/test_handoff_sim.py::test_random_worlds_keep_every_invariant",
     "tests/test_pd_protocol.py",
+    "tests/test_tp_ranks.py",
 ]
 '
 exec bash "$(dirname "$0")/mutmut-subset.sh" "$@"
