@@ -305,12 +305,11 @@ def _early_release_lost(mp: pytest.MonkeyPatch) -> None:
     this was found in CI)."""
 
     def lost(self: DecodeLegs, leg: str) -> Verdict | None:
-        rid = self._request.pop(leg, None)
-        load = None if rid is None else self._loads.get(rid)
-        if rid is None or load is None or leg not in load.fenced:
+        load = self._request.pop(leg, None)  # even for a leg not reported yet
+        if load is None or leg not in load.fenced:
             return None
         load.fenced.discard(leg)
-        return self._verdict(rid, load)
+        return self._verdict(load.request_id, load)
 
     mp.setattr(DecodeLegs, "released", lost)
 

@@ -251,6 +251,28 @@ def test_an_early_release_of_one_leg_waits_for_the_others() -> None:
     assert legs_.in_use() == {}
 
 
+def test_a_fenced_leg_reported_again_changes_nothing() -> None:
+    legs_ = DecodeLegs()
+    legs_.start("r", [3], ["a", "b"])
+    first = legs_.reported(_failed("a", fenced=True))
+    assert first is not None and not first.final  # its load errors, once
+    assert legs_.reported(_failed("a", fenced=True)) is None
+    assert legs_.reported(_ok("b")) is None  # a still fenced
+    final = legs_.released("a")
+    assert final is not None and final.final and final.outcome.reason == "peer_lost"
+    assert legs_.reported(_failed("a", fenced=True)) is None and legs_.in_use() == {}
+
+
+def test_the_recent_outcomes_keep_the_newest_4096() -> None:
+    legs_ = DecodeLegs()
+    for i in range(4097):
+        legs_.start(f"r{i}", [1], [f"r{i}"])
+        legs_.reported(_ok(f"r{i}"))
+    recent = legs_.recent_outcomes()
+    assert len(recent) == 4096
+    assert (recent[0].request_id, recent[-1].request_id) == ("r1", "r4096")
+
+
 def test_an_unfenced_failure_still_waits_for_the_other_legs() -> None:
     legs_ = DecodeLegs()
     legs_.start("r", [3], ["a", "b"])

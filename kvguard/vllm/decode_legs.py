@@ -54,9 +54,9 @@ class _Load:
     blocks: list[int]
     pending: set[str]  # legs not reported yet
     fenced: set[str] = field(default_factory=set)  # reported fenced, not released yet
-    # Pending legs already released: the worker takes the receiver's releases
-    # and reports one after the other, so a release can come a take before
-    # its fenced report; that report then ends the leg. A subset of pending.
+    # Legs released before their report: the worker takes the receiver's
+    # reports, then its releases, so a load fenced and released between the
+    # two takes comes as its release first. Its report then ends the leg.
     early: set[str] = field(default_factory=set)
     outcome: LoadOutcome | None = None  # the first failure, or the last loaded leg's
     latency_s: float = 0.0  # the slowest leg's, so far
@@ -68,7 +68,8 @@ class DecodeLegs:
 
     def __init__(self) -> None:
         self._loads: dict[str, _Load] = {}  # request id -> its legs, until finished
-        self._request: dict[str, str] = {}  # leg id -> request id, while the leg may report
+        # leg id -> its load, while the leg is pending or fenced (it may report or be released)
+        self._request: dict[str, _Load] = {}
         self._recent: OrderedDict[str, LoadOutcome] = OrderedDict()  # the last _RECENT
 
     def start(self, request_id: str, blocks: Sequence[int], legs: Sequence[str]) -> bool:
@@ -77,9 +78,9 @@ class DecodeLegs:
         if request_id in self._loads or not legs:
             _log.error("expect_duplicate", request=request_id, legs=list(legs))
             return False
-        self._loads[request_id] = _Load(request_id, list(blocks), set(legs))
+        load = self._loads[request_id] = _Load(request_id, list(blocks), set(legs))
         for leg in legs:
-            self._request[leg] = request_id
+            self._request[leg] = load
         return True
 
     def refused(
@@ -123,16 +124,15 @@ class DecodeLegs:
 
     def reported(self, out: LoadOutcome) -> Verdict | None:
         """A leg's outcome, from the receiver's ``take_finished``."""
-        rid = self._request.get(out.request_id)
-        load = None if rid is None else self._loads.get(rid)
-        if rid is None or load is None or out.request_id not in load.pending:
+        load = self._request.get(out.request_id)
+        if load is None or out.request_id not in load.pending:
             return None
+        rid = load.request_id
         load.pending.discard(out.request_id)
         load.latency_s = max(load.latency_s, out.latency_s)
         if out.fenced and out.request_id not in load.early:
             load.fenced.add(out.request_id)
         else:
-            load.early.discard(out.request_id)
             del self._request[out.request_id]
         if load.outcome is None or (load.outcome.ok and not out.ok):
             load.outcome = out
@@ -152,18 +152,15 @@ class DecodeLegs:
     def released(self, leg: str) -> Verdict | None:
         """A fenced leg nothing writes any more, from ``take_released``;
         one not reported yet is kept for its report (``_Load.early``)."""
-        rid = self._request.get(leg)
-        load = None if rid is None else self._loads.get(rid)
-        if rid is None or load is None:
+        load = self._request.get(leg)
+        if load is None:
             return None
         if leg in load.pending:
             load.early.add(leg)
             return None
-        if leg not in load.fenced:
-            return None
-        del self._request[leg]
+        del self._request[leg]  # mapped and not pending: fenced
         load.fenced.discard(leg)
-        return self._verdict(rid, load)
+        return self._verdict(load.request_id, load)
 
     def _verdict(self, rid: str, load: _Load) -> Verdict | None:
         outcome = load.outcome
