@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Final, Protocol
 
-__all__ = ["KVGUARD_LINES", "state_of"]
+__all__ = ["KVGUARD_LINES", "state_of", "total"]
 
 # kvguard's events in a server's log: structlog's event names and the worker's lines.
 KVGUARD_LINES: Final = (
@@ -46,7 +46,7 @@ def state_of(server: _Server, lines: int = 40) -> str:
     except OSError as exc:  # a dead or hung server: its log still speaks
         counts = f"(no metrics: {exc})"
     else:
-        parts = [f"{k.split(':', 1)[1]}={_total(m, k):g}" for k in _COUNTS]
+        parts = [f"{k.split(':', 1)[1]}={total(m, k):g}" for k in _COUNTS]
         transfers = sorted(
             f"{_labels(k)}={v:g}"
             for k, v in m.items()
@@ -57,7 +57,8 @@ def state_of(server: _Server, lines: int = 40) -> str:
     return f"--- {server.name}: {counts}\n{log}"
 
 
-def _total(m: dict[str, float], name: str) -> float:
+def total(m: dict[str, float], name: str) -> float:
+    """``name``'s samples in ``m``, summed over their labels."""
     return sum(v for k, v in m.items() if k.split("{")[0] == name)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.diagnosis import state_of
+from tests.vllm.diagnosis import state_of, total
 from tests.vllm.ports import free_port
 from tests.vllm.sessions import session_alive, session_cpu_seconds
 
@@ -296,14 +296,10 @@ class Server:
 
     def load(self) -> Load:
         m = self.metrics()
-
-        def total(name: str) -> float:
-            return sum(v for k, v in m.items() if k.split("{")[0] == name)
-
         return Load(
-            running=total("vllm:num_requests_running"),
-            waiting=total("vllm:num_requests_waiting"),
-            kv_usage=total("vllm:kv_cache_usage_perc"),
+            running=total(m, "vllm:num_requests_running"),
+            waiting=total(m, "vllm:num_requests_waiting"),
+            kv_usage=total(m, "vllm:kv_cache_usage_perc"),
         )
 
     def tokens_by_source(self) -> Counter[str]:
