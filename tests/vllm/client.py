@@ -79,6 +79,7 @@ class Outcome:
     choices: tuple[tuple[int, ...], ...]  # each choice's token ids, by index
     error: str
     seconds: float
+    id: str = ""  # the answer's own (a router writes its route into it)
 
     @property
     def tokens(self) -> list[int] | None:
@@ -128,7 +129,8 @@ async def post(
         return Outcome(r.status, kind, (), json.dumps(data)[:300], took), None
     ordered = sorted(data["choices"], key=lambda c: int(c["index"]))
     choices = tuple(tuple(int(t) for t in c["token_ids"]) for c in ordered)
-    return Outcome(200, "ok", choices, "", took), data.get("kv_transfer_params")
+    out = Outcome(200, "ok", choices, "", took, str(data.get("id", "")))
+    return out, data.get("kv_transfer_params")
 
 
 def completion_body(prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
