@@ -305,7 +305,7 @@ def _early_release_lost(mp: pytest.MonkeyPatch) -> None:
     this was found in CI)."""
 
     def lost(self: DecodeLegs, leg: str) -> Verdict | None:
-        load = self._request.pop(leg, None)  # even for a leg not reported yet
+        load = self._load_of.pop(leg, None)  # even for a leg not reported yet
         if load is None or leg not in load.fenced:
             return None
         load.fenced.discard(leg)

@@ -69,7 +69,7 @@ class DecodeLegs:
     def __init__(self) -> None:
         self._loads: dict[str, _Load] = {}  # request id -> its legs, until finished
         # leg id -> its load, while the leg is pending or fenced (it may report or be released)
-        self._request: dict[str, _Load] = {}
+        self._load_of: dict[str, _Load] = {}
         self._recent: OrderedDict[str, LoadOutcome] = OrderedDict()  # the last _RECENT
 
     def start(self, request_id: str, blocks: Sequence[int], legs: Sequence[str]) -> bool:
@@ -80,7 +80,7 @@ class DecodeLegs:
             return False
         load = self._loads[request_id] = _Load(request_id, list(blocks), set(legs))
         for leg in legs:
-            self._request[leg] = load
+            self._load_of[leg] = load
         return True
 
     def refused(
@@ -111,7 +111,7 @@ class DecodeLegs:
         if load is None:
             return []
         for leg in load.pending | load.fenced:
-            self._request.pop(leg, None)
+            self._load_of.pop(leg, None)
         return load.blocks
 
     def in_use(self) -> dict[str, int]:
@@ -124,7 +124,7 @@ class DecodeLegs:
 
     def reported(self, out: LoadOutcome) -> Verdict | None:
         """A leg's outcome, from the receiver's ``take_finished``."""
-        load = self._request.get(out.request_id)
+        load = self._load_of.get(out.request_id)
         if load is None or out.request_id not in load.pending:
             return None
         rid = load.request_id
@@ -133,7 +133,7 @@ class DecodeLegs:
         if out.fenced and out.request_id not in load.early:
             load.fenced.add(out.request_id)
         else:
-            del self._request[out.request_id]
+            del self._load_of[out.request_id]
         if load.outcome is None or (load.outcome.ok and not out.ok):
             load.outcome = out
         if not load.pending:
@@ -152,13 +152,13 @@ class DecodeLegs:
     def released(self, leg: str) -> Verdict | None:
         """A fenced leg nothing writes any more, from ``take_released``;
         one not reported yet is kept for its report (``_Load.early``)."""
-        load = self._request.get(leg)
+        load = self._load_of.get(leg)
         if load is None:
             return None
         if leg in load.pending:
             load.early.add(leg)
             return None
-        del self._request[leg]  # mapped and not pending: fenced
+        del self._load_of[leg]  # mapped and not pending: fenced
         load.fenced.discard(leg)
         return self._verdict(load.request_id, load)
 
