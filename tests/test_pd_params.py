@@ -17,7 +17,9 @@ LIMITS = {"deadline": 10.0, "max_deadline": 60.0, "hold": 30.0}
 
 
 def reply(**over: object) -> dict[str, object]:
-    out = prefill_reply(endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2)
+    out = prefill_reply(
+        endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2, tokens=100
+    )
     out.update(over)
     return out
 
@@ -26,8 +28,35 @@ def test_what_the_prefill_returns_is_what_the_decode_reads() -> None:
     got = reply()
     assert wants_load(got) and not wants_hold(got)
     assert load_ask(got, **LIMITS) == LoadAsk(Source(EP, "p1", 2), 5.0, 10.0, 0)
+    assert params.loaded_tokens(got, 100) == 100
+    assert params.loaded_tokens(got, 101) == 100  # the prompt and the prefill's token
     params.loading_started(got)
     assert not wants_load(got)  # one load per request
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_without_the_prefills_count_the_whole_prompt_is_loaded() -> None:
+    got = reply()
+    del got[params.TOKENS]
+    with capture_logs() as logs:
+        assert params.loaded_tokens(got, 70) == 70
+    assert logs == []
+
+
+@pytest.mark.usefixtures("all_levels")
+@pytest.mark.parametrize("tokens", [0, -1, 101, 50.0, "50", True, None])
+def test_a_bad_token_count_is_logged_and_the_whole_prompt_asked_for(tokens: object) -> None:
+    with capture_logs() as logs:
+        assert params.loaded_tokens(reply(kvguard_tokens=tokens), 100) == 100
+    assert logs == [
+        {
+            "event": "kv_tokens_ignored",
+            "log_level": "warning",
+            "key": "kvguard_tokens",
+            "value": repr(tokens),
+            "want": "int in [1, 100]",
+        }
+    ]
 
 
 def test_the_proxy_sets_the_keys_this_module_owns() -> None:

@@ -453,6 +453,7 @@ def test_completion_legs_carry_exactly_the_protocols_bodies(
         "endpoint": COMPLETIONS,
         "outcome": "ok",
         "status": 200,
+        "served": "two_step",
         "prefill_status": 200,
         "decode_status": 200,
     }

@@ -6,10 +6,15 @@ the protocol of vLLM's toy PD proxy (:mod:`kvguard.proxy.protocol`):
 1. prefill (round-robin over ``prefill_urls``): the body with
    ``max_tokens`` 1, ``stream`` false and ``kv_transfer_params``
    ``{"do_remote_decode": true, ...}`` plus the client's ``kvguard_*`` keys;
-   its reply must carry ``kv_transfer_params``;
+   its reply must carry ``kv_transfer_params`` unless its one token ended
+   the request (then the decode computes the prompt itself);
 2. decode (round-robin over ``decode_urls``): the client's body with exactly
    those ``kv_transfer_params``; its reply goes back to the client, streamed
    as server-sent events when the decode streams, one JSON document otherwise.
+
+A streamed completion's first event is the prefill's token, sent as soon as
+the prefill answers, and the decode continues after it
+(:mod:`kvguard.proxy.first_token`; ``--no-early-first-token`` turns it off).
 
 Both legs carry the same ``X-Request-Id`` (a fresh one per request, also
 returned to the client) and the client's ``Authorization`` header.
@@ -22,7 +27,7 @@ Interface (stable; the server-mode tests drive it)::
                   [--host 127.0.0.1] [--port 8000] [--prefill-timeout-s 600]
                   [--decode-timeout-s 300] [--connect-timeout-s 5]
                   [--health-timeout-s 5] [--max-body-bytes 33554432]
-                  [--log-level info]
+                  [--api-key KEY] [--no-early-first-token] [--log-level info]
 
     prints "kvguard proxy: listening on http://HOST:PORT" on stdout once it
     listens (--port 0: any free port), serves until SIGINT/SIGTERM, exit 0;

@@ -91,6 +91,9 @@ class ProxyConfig:
     # Non-empty: /v1/* needs ``Authorization: Bearer <api_key>`` (401 else),
     # passed on to the servers, which may check the same key (vLLM --api-key).
     api_key: str = field(default="", repr=False)
+    # A streamed completion's first token is the prefill's, sent as soon as
+    # it answers (``first_token``); False: the decode's, after the handover.
+    early_first_token: bool = True
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -157,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
         "unset: none), passed on to the servers",
+    )
+    parser.add_argument(
+        "--no-early-first-token",
+        dest="early_first_token",
+        action="store_false",
+        help="stream a completion's first token from the decode, after the KV handover, "
+        "instead of the prefill's token as soon as the prefill answers",
     )
     parser.add_argument(
         "--log-level",

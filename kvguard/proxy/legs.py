@@ -4,8 +4,8 @@ the errors a leg ends in, and the decode's reply relayed to the client.
 ``Proxy`` holds what every request shares (the config, the round-robin
 cursors, one client session); ``Leg`` is one backend as one leg sees it. A
 leg's aiohttp error or timeout becomes the client's ``ProxyError``, named
-after the leg and its URL; ``Record`` collects what the request's one log
-event says about each leg.
+after the leg and its URL; each leg notes what it did in the request's
+``record.Record``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import contextlib
 import itertools
 import json
 import os
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import aiohttp
@@ -26,9 +25,11 @@ from aiohttp import web
 
 from .backends import Pool
 from .config import ProxyConfig
+from .first_token import FirstToken
 from .protocol import CLIENT_TIMEOUT_HEADER, Failure, ProxyError, json_type, upstream_http_error
+from .record import Record
 
-__all__ = ["IDLE_CONNECTION_S", "ClientGone", "Leg", "Proxy", "Record"]
+__all__ = ["IDLE_CONNECTION_S", "ClientGone", "Leg", "Proxy"]
 
 log = structlog.get_logger("kvguard.proxy")
 
@@ -101,46 +102,6 @@ class ClientGone(Exception):
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("client disconnected")
         self.response = response
-
-
-@dataclass
-class Record:
-    """What a request's one log event says: its outcome and each leg's URL, status, time."""
-
-    request_id: str
-    endpoint: str
-    started: float = field(default_factory=time.monotonic)
-    legs: dict[str, object] = field(default_factory=dict)
-
-    def left(self, allowed: float | None) -> float | None:
-        """Seconds left of the ``allowed`` the client gave the request (None: no limit)."""
-        return None if allowed is None else allowed - (time.monotonic() - self.started)
-
-    @contextlib.contextmanager
-    def leg(self, leg: Leg) -> Iterator[None]:
-        self.legs[leg.name] = leg.url
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            self.legs[f"{leg.name}_s"] = round(time.monotonic() - start, 6)
-
-    def status(self, leg: Leg, status: int) -> None:
-        self.legs[f"{leg.name}_status"] = status
-
-    def emit(self, outcome: str, status: int | None, error: str | None = None) -> None:
-        level = log.info if outcome in ("ok", "client_disconnected") else log.warning
-        extra = {} if error is None else {"error": error}
-        level(
-            "proxy_request",
-            request_id=self.request_id,
-            endpoint=self.endpoint,
-            outcome=outcome,
-            status=status,
-            total_s=round(time.monotonic() - self.started, 6),
-            **self.legs,
-            **extra,
-        )
 
 
 class Proxy:
@@ -248,8 +209,9 @@ class Proxy:
 
     async def prefill(
         self, leg: Leg, path: str, body: dict[str, Any], headers: Mapping[str, str], rec: Record
-    ) -> dict[str, Any]:
-        """The prefill's ``kv_transfer_params`` for ``body``."""
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The prefill's reply to ``body`` and its ``kv_transfer_params``: None
+        where its one token ended the request (a stop token: it held no KV)."""
         async with self.exchange(leg, "POST", path, json=body, headers=headers) as resp:
             rec.status(leg, resp.status)
             data = await self.read_body(leg, resp)
@@ -263,13 +225,15 @@ class Proxy:
             raise leg.fail(Failure.BAD_RESPONSE, "reply is not a JSON object")
         params = reply.get("kv_transfer_params")
         if not params:
+            if _finish_reason(reply) == "stop":
+                return reply, None
             raise leg.fail(Failure.BAD_RESPONSE, "prefill returned no kv_transfer_params")
         if not isinstance(params, dict):
             raise leg.fail(
                 Failure.BAD_RESPONSE,
                 f"prefill returned kv_transfer_params that are not an object: {json_type(params)}",
             )
-        return params
+        return reply, params
 
     async def decode(
         self,
@@ -301,8 +265,53 @@ class Proxy:
                 await out.write_eof()
             return out, error
 
+    async def decode_after(
+        self,
+        request: web.Request,
+        leg: Leg,
+        first: FirstToken,
+        bodies: tuple[dict[str, Any], dict[str, Any]],
+        headers: Mapping[str, str],
+        rec: Record,
+    ) -> tuple[web.StreamResponse, ProxyError | None]:
+        """The prefill's ``first`` token streamed to the client at once, then
+        the decode's continuation (``bodies``: the client's, the decode's);
+        the error that cut the stream short."""
+        body, decode_body = bodies
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": f"{_SSE}; charset=utf-8",
+                "X-Request-Id": rec.request_id,
+                "Cache-Control": "no-cache",
+            }
+        )
+        await out.prepare(request)
+        await _write(out, first.event(body))
+        try:
+            async with self.exchange(
+                leg, "POST", request.path, json=decode_body, headers=headers
+            ) as resp:
+                rec.status(leg, resp.status)
+                if resp.status != 200:
+                    data = await self.read_body(leg, resp)
+                    raise upstream_http_error(f"{leg.name} {leg.url}", resp.status, data)
+                if resp.content_type != _SSE:
+                    why = f"reply is {resp.content_type}, not events"
+                    raise leg.fail(Failure.BAD_RESPONSE, why)
+                error = await self._relay_events(leg, resp, out, first.rewrite)
+        except ProxyError as err:  # before the decode's first event: the stream ends here
+            error = err
+            await _write(out, err.sse_event() + _DONE_EVENT)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out, error
+
     async def _relay_events(
-        self, leg: Leg, resp: aiohttp.ClientResponse, out: web.StreamResponse
+        self,
+        leg: Leg,
+        resp: aiohttp.ClientResponse,
+        out: web.StreamResponse,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> ProxyError | None:
         """Forward whole server-sent events; on a decode failure end with an error event.
 
@@ -321,20 +330,27 @@ class Proxy:
                 error = leg.failure_of(exc)
                 break
             if not chunk:  # the decode ended its reply
-                await _write(out, pending)
+                await _write(out, pending if rewrite is None else rewrite(pending))
                 return None
             pending += chunk
             cut = pending.rfind(_EVENT_END) + len(_EVENT_END)
             if cut >= len(_EVENT_END):
                 events, pending = pending[:cut], pending[cut:]
                 done = done or events.endswith(_DONE_EVENT)
-                await _write(out, events)
+                await _write(out, events if rewrite is None else rewrite(events))
             elif len(pending) > limit:
                 error = leg.fail(Failure.BAD_RESPONSE, f"event exceeds {limit} bytes")
                 break
         resp.close()
         await _write(out, error.sse_event() + _DONE_EVENT)
         return error
+
+
+def _finish_reason(reply: Mapping[str, Any]) -> object:
+    choices = reply.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("finish_reason")
+    return None
 
 
 async def _write(out: web.StreamResponse, data: bytes) -> None:

@@ -53,7 +53,9 @@ __all__ = [
     "PREFILL_KV_TRANSFER_PARAMS",
     "Failure",
     "ProxyError",
+    "Served",
     "client_timeout",
+    "decode_alone",
     "decode_request",
     "json_type",
     "parse_client_body",
@@ -137,6 +139,20 @@ def decode_request(
     if (n := _choices(body)) > 1:
         params[KV_LOADS] = n
     return {**body, "kv_transfer_params": params}
+
+
+def decode_alone(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode leg's body where the prefill held no KV (its one token was
+    a stop): the client's request, without the client's ``kv_transfer_params``."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+class Served(enum.Enum):
+    """How the proxy served a request (its log event's ``served``)."""
+
+    TWO_STEP = "two_step"  # the prefill's KV, the decode's reply
+    EARLY_FIRST_TOKEN = "early_first_token"  # the prefill's token first (``first_token``)
+    DECODE_ONLY = "decode_only"  # the prefill's one token was a stop: no KV held
 
 
 def _choices(body: Mapping[str, Any]) -> int:

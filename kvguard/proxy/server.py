@@ -19,18 +19,22 @@ import structlog
 from aiohttp import web
 
 from .config import ProxyConfig
-from .legs import ClientGone, Proxy, Record
+from .first_token import FirstToken, eligible, prefill_asks
+from .legs import ClientGone, Proxy
 from .protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     Failure,
     ProxyError,
+    Served,
     client_timeout,
+    decode_alone,
     decode_request,
     parse_client_body,
     prefill_request,
     upstream_http_error,
 )
+from .record import Record
 
 __all__ = ["make_app", "run_proxy", "serve"]
 
@@ -72,13 +76,31 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         allowed = client_timeout(request.headers)  # both legs end within it
         body = await _client_body(request, proxy.config.max_body_bytes)
         headers = _upstream_headers(request, rec.request_id)
-        params = await _prefill(proxy, request.path, body, headers, rec, allowed)
+        early = proxy.config.early_first_token and eligible(request.path, body)
+        prefill_body = prefill_request(request.path, body)
+        reply, params = await _prefill(
+            proxy,
+            request.path,
+            prefill_asks(prefill_body) if early else prefill_body,
+            headers,
+            rec,
+            allowed,
+        )
+        first = FirstToken.of(reply, params) if early and params else None
         leg = proxy.decode_pool.pick()
         assert leg is not None  # a pool of one or more, nothing tried
+        leg = leg.within(rec.left(allowed))
         with rec.leg(leg):
-            out, error = await proxy.decode(
-                request, leg.within(rec.left(allowed)), decode_request(body, params), headers, rec
-            )
+            if first is not None:
+                rec.served = Served.EARLY_FIRST_TOKEN
+                bodies = body, first.decode_body(body, params or {})
+                out, error = await proxy.decode_after(request, leg, first, bodies, headers, rec)
+            else:
+                # Its one token ended the request: the decode computes the
+                # prompt itself and ends where the prefill did.
+                rec.served = Served.TWO_STEP if params else Served.DECODE_ONLY
+                decode_body = decode_request(body, params) if params else decode_alone(body)
+                out, error = await proxy.decode(request, leg, decode_body, headers, rec)
     except ProxyError as err:
         rec.emit(err.type, err.status, err.message)
         return _error_response(err, rec.request_id)
@@ -102,7 +124,7 @@ async def _prefill(
     headers: dict[str, str],
     rec: Record,
     allowed: float | None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The prefill leg, on the next prefill that is up; one that cannot even
     be connected to (nothing was sent) is marked down and the next one tried.
     It ends within the ``allowed`` seconds the client waits (None: no limit)."""
@@ -112,9 +134,7 @@ async def _prefill(
         assert leg is not None  # the loop ends before every one was tried
         try:
             with rec.leg(leg):
-                return await proxy.prefill(
-                    leg.within(rec.left(allowed)), path, prefill_request(path, body), headers, rec
-                )
+                return await proxy.prefill(leg.within(rec.left(allowed)), path, body, headers, rec)
         except ProxyError as err:
             tried.add(leg.url)
             if err.type != Failure.UNREACHABLE.type or len(tried) == len(proxy.prefills):

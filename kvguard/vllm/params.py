@@ -7,7 +7,7 @@ client and the PD proxy (vLLM's toy proxy or ``kvguard.proxy``)::
     prefill -> client   prefill_reply(): {"do_remote_prefill": true,
                         "kvguard_endpoint": ..., "kvguard_request_id": ...,
                         "kvguard_deadline_s": ..., "kvguard_hold_s": ...,
-                        "kvguard_tp_size": ...}
+                        "kvguard_tp_size": ..., "kvguard_tokens": ...}
     proxy -> decode     those, plus "kvguard_loads": n for a client's n > 1
 
 Each key is a constant here; no other module of the connector or the proxy
@@ -46,12 +46,14 @@ __all__ = [
     "MAX_TP_SIZE",
     "PREFILL_KV_TRANSFER_PARAMS",
     "REQUEST_ID",
+    "TOKENS",
     "TP_SIZE",
     "LoadAsk",
     "Source",
     "client_problem",
     "deadline_s",
     "load_ask",
+    "loaded_tokens",
     "loading_started",
     "prefill_reply",
     "source_of",
@@ -86,6 +88,10 @@ REQUEST_ID: Final = "kvguard_request_id"  # prefill: the request that holds the 
 DEADLINE_S: Final = "kvguard_deadline_s"  # client: asked; prefill: what it used
 HOLD_S: Final = "kvguard_hold_s"  # prefill: how long it holds unasked (a decode renews)
 TP_SIZE: Final = "kvguard_tp_size"  # prefill: its tensor parallel size
+# prefill: how many prompt tokens its held KV covers. A decode whose prompt
+# is longer (the proxy's early first token: the prompt and the prefill's
+# sampled token) loads these and computes the rest.
+TOKENS: Final = "kvguard_tokens"
 # proxy -> decode: how many decode requests load the prefill request (the
 # client's n): vLLM may step between adding n > 1 children, so a group
 # cannot be counted by the children seen so far.
@@ -143,6 +149,24 @@ def wants_load(params: Mapping[str, Any] | None) -> bool:
         and isinstance(params.get(ENDPOINT), str)
         and isinstance(params.get(REQUEST_ID), str)
     )
+
+
+def loaded_tokens(params: Mapping[str, Any], prompt_tokens: int) -> int:
+    """Decode: how many of its ``prompt_tokens`` the prefill's KV covers.
+
+    The prefill's ``kvguard_tokens``; all of them where it is absent (a
+    client or proxy that sends the prefill's prompt as it was). A value that
+    is not an int in [1, prompt_tokens] cannot be what a prefill of this
+    prompt held: logged, and the whole prompt asked for, as without it (a
+    load the prefill cannot serve fails there, with its own reason).
+    """
+    tokens = params.get(TOKENS, prompt_tokens)
+    if type(tokens) is int and 0 < tokens <= prompt_tokens:
+        return tokens
+    _log.warning(
+        "kv_tokens_ignored", key=TOKENS, value=_quote(tokens), want=f"int in [1, {prompt_tokens}]"
+    )
+    return prompt_tokens
 
 
 def loading_started(params: MutableMapping[str, Any]) -> None:
@@ -229,7 +253,7 @@ def load_ask(
 
 
 def prefill_reply(
-    *, endpoint: str, request_id: str, deadline: float, hold: float, tp_size: int
+    *, endpoint: str, request_id: str, deadline: float, hold: float, tp_size: int, tokens: int
 ) -> dict[str, Any]:
     """What a prefill that holds a request's KV returns: the decode's params."""
     return {
@@ -240,4 +264,5 @@ def prefill_reply(
         DEADLINE_S: deadline,
         HOLD_S: hold,
         TP_SIZE: tp_size,
+        TOKENS: tokens,
     }

@@ -34,6 +34,7 @@ from .params import (
     Source,
     deadline_s,
     load_ask,
+    loaded_tokens,
     loading_started,
     prefill_reply,
     source_of,
@@ -112,7 +113,9 @@ class KVGuardScheduler:
     ) -> tuple[int | None, bool]:
         if self.is_producer or not wants_load(request.kv_transfer_params):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        assert request.kv_transfer_params is not None
+        prompt = len(request.prompt_token_ids or ())
+        count = loaded_tokens(request.kv_transfer_params, prompt) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def on_new_request(self, request: Request) -> None:
@@ -215,6 +218,7 @@ class KVGuardScheduler:
             deadline=used,
             hold=s.hold_s,
             tp_size=self.tp_size,
+            tokens=request.num_prompt_tokens,
         )
         return True, reply
 

@@ -26,6 +26,7 @@ __all__ = [
     "Outcome",
     "ask",
     "ask_all",
+    "ask_streamed",
     "complete",
     "completion_body",
     "pd",
@@ -173,6 +174,35 @@ async def ask(
     """One completion through a proxy (or a server used without PD); its outcome."""
     out, _ = await post(http, url, completion_body(prompt, max_tokens, **extra), timeout_s)
     return out
+
+
+async def ask_streamed(
+    http: aiohttp.ClientSession,
+    url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    timeout_s: float = 60.0,
+    **extra: Any,
+) -> tuple[Outcome, list[dict[str, Any]]]:
+    """One streamed completion (``stream: true``): its outcome, tokens put
+    together from the events, and the events themselves, decoded."""
+    body = completion_body(prompt, max_tokens, stream=True, **extra)
+    t0 = time.monotonic()
+    events: list[dict[str, Any]] = []
+    async with http.post(
+        url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as r:
+        if r.status != 200:
+            text = await r.text()
+            return Outcome(r.status, f"http {r.status}", (), text[:300], 0.0), events
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[len(b"data: ") :]))
+    took = time.monotonic() - t0
+    if errors := [e for e in events if "error" in e]:
+        return Outcome(200, "stream error", (), json.dumps(errors)[:300], took), events
+    tokens = tuple(int(t) for e in events for c in e["choices"] for t in c.get("token_ids") or ())
+    return Outcome(200, "ok", (tokens,), "", took, str(events[0].get("id", ""))), events
 
 
 def ask_all(

@@ -13,13 +13,24 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
+from typing import Any
 
 import pytest
 
-from tests.vllm.client import Outcome, ask, ask_all, http_session, pd, prompts_of, run
+from tests.vllm.client import (
+    Outcome,
+    ask,
+    ask_all,
+    ask_streamed,
+    http_session,
+    pd,
+    prompts_of,
+    run,
+)
 from tests.vllm.cluster import (
     DEADLINE_S,
     MAX_TOKENS,
@@ -191,6 +202,73 @@ def test_n_choices_each_equal_non_pd(cluster: Cluster, n: int) -> None:
     idle_after(c, row)
     assert all(len(o.choices) in (0, n) for o in outs), outs
     assert_outcomes(c, outs, want, set())
+    settle(c, row)
+
+
+def test_streamed_completions_start_with_the_prefills_token(cluster: Cluster) -> None:
+    """The early first token: the client's first event is the prefill's token
+    and the decode continues from it, on the prompt's KV and one token of its own.
+
+    Prompt lengths on both sides of the 32-token block: at 32, 64 and 96 the
+    decode's prompt (the prompt and the token) needs one block more than the
+    prefill held, which it computes; with a stop token the prefill's first
+    token ends the request and the decode computes the prompt itself.
+    """
+    c = cluster
+    rng = random.Random(23)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (32, 33, 63, 64, 65, 96)]
+    want = references(c, c.fail, prompts, [MAX_TOKENS] * len(prompts))
+    fresh(c.prefill, c.fail)
+    before = c.fail.tokens_by_source()
+    row = Row("streamed: the prefill's first token, 6 prompts of 32-96 tokens")
+    proxy = Proxy([c.prefill.url], [c.fail.url]).start()
+    usage = {"stream_options": {"include_usage": True}}
+    try:
+
+        async def go() -> list[tuple[Outcome, list[dict[str, Any]]]]:
+            async with http_session() as http:
+                return list(
+                    await asyncio.gather(
+                        *(ask_streamed(http, proxy.url, p, MAX_TOKENS, **usage) for p in prompts)
+                    )
+                )
+
+        streamed = run(go())
+        moved = c.fail.tokens_by_source() - before
+        fresh(c.prefill, c.fail)
+
+        async def stopped() -> Outcome:
+            async with http_session() as http:
+                first = want[0][0]
+                return await ask(http, proxy.url, prompts[0], MAX_TOKENS, stop_token_ids=[first])
+
+        stop = run(stopped())
+        served = re.findall(r"proxy_request .* served=(\w+)", proxy.log.read_text())
+    finally:
+        proxy.stop()
+    outs = [out for out, _ in streamed]
+    row.add(outs, want)
+    c.rows.append(row)
+    idle_after(c, row)
+    assert_outcomes(c, outs, want, set())
+    for prompt, reference, (_, events) in zip(prompts, want, streamed, strict=True):
+        first, *_, last = events
+        assert first["choices"][0]["prompt_token_ids"] == prompt, events
+        assert first["choices"][0]["token_ids"] == [reference[0]], events
+        assert len({e["id"] for e in events}) == 1, events
+        total = len(prompt) + MAX_TOKENS
+        assert last["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": MAX_TOKENS,
+            "total_tokens": total,
+        }, events
+    # Each prompt's KV came over the transfer; each decode computed one token.
+    assert moved == {
+        "external_kv_transfer": sum(map(len, prompts)),
+        "local_compute": len(prompts),
+    }, moved
+    assert (stop.kind, stop.tokens) == ("ok", [want[0][0]]), stop
+    assert served == ["early_first_token"] * len(prompts) + ["decode_only"], served
     settle(c, row)
 
 
