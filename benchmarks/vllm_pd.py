@@ -76,7 +76,9 @@ VLLM_PYTHON: Final = ROOT / ".venv-vllm" / "bin" / "python"
 CONNECTORS: Final = ("aggregated", "mooncake", "kvguard", "kvguard-unverified", "nixl")
 # On request only: kvguard with kvguard_idle_wait_ms 0 (an idle engine steps
 # as vLLM steps it), what the doorbell (kvguard.vllm.idle) gains side by side.
-OPTIONAL: Final = ("kvguard-nowait",)
+# kvguard-two-step: kvguard with the proxy's early first token off (the
+# decode's first token, after the handover), its TTFT side by side.
+OPTIONAL: Final = ("kvguard-nowait", "kvguard-two-step")
 # Requests per level. 24 at c = 1, where they are cheap: with 8 a run's p99
 # was its slowest request, and the runs' ranges overlapped between connectors.
 FULL_REQUESTS: Final = {1: 24, 8: 32, 32: 64}

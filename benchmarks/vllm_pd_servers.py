@@ -123,10 +123,13 @@ def server(connector: str, role: str, ports: Ports, out: Path) -> Server:
 
 def proxy(connector: str, prefill: Server, decode: Server, out: Path) -> Proxy:
     """``kvguard proxy`` in front of one prefill and one decode (not started)."""
+    # kvguard-two-step: the first token the decode's, after the handover
+    # (the proxy's early first token off), its TTFT side by side.
+    early = ("--no-early-first-token",) if connector == "kvguard-two-step" else ()
     return Proxy(
         [prefill.url],
         [decode.url],
-        args=("--log-level", "warning"),
+        args=("--log-level", "warning", *early),
         log_path=out / "logs" / f"{connector}-proxy.log",
     )
 
