@@ -14,11 +14,12 @@ from kvguard.vllm.ranks import BadEndpoint, LegAsk, Pairing, RankHeads
 
 EP = "tcp://10.0.0.1:17600"
 LIMITS = {"deadline": 10.0, "max_deadline": 60.0, "hold": 30.0}
+PROMPT = list(range(1000, 1100))  # the prefill's: 100 tokens
 
 
 def reply(**over: object) -> dict[str, object]:
     out = prefill_reply(
-        endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2, tokens=100
+        endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2, prompt=PROMPT
     )
     out.update(over)
     return out
@@ -28,8 +29,8 @@ def test_what_the_prefill_returns_is_what_the_decode_reads() -> None:
     got = reply()
     assert wants_load(got) and not wants_hold(got)
     assert load_ask(got, **LIMITS) == LoadAsk(Source(EP, "p1", 2), 5.0, 10.0, 0)
-    assert params.loaded_tokens(got, 100) == 100
-    assert params.loaded_tokens(got, 101) == 100  # the prompt and the prefill's token
+    assert params.loaded_tokens(got, PROMPT) == 100
+    assert params.loaded_tokens(got, [*PROMPT, 7]) == 100  # the prompt and the prefill's token
     params.loading_started(got)
     assert not wants_load(got)  # one load per request
 
@@ -39,7 +40,7 @@ def test_without_the_prefills_count_the_whole_prompt_is_loaded() -> None:
     got = reply()
     del got[params.TOKENS]
     with capture_logs() as logs:
-        assert params.loaded_tokens(got, 70) == 70
+        assert params.loaded_tokens(got, PROMPT) == 100
     assert logs == []
 
 
@@ -47,7 +48,7 @@ def test_without_the_prefills_count_the_whole_prompt_is_loaded() -> None:
 @pytest.mark.parametrize("tokens", [0, -1, 101, 50.0, "50", True, None])
 def test_a_bad_token_count_is_logged_and_the_whole_prompt_asked_for(tokens: object) -> None:
     with capture_logs() as logs:
-        assert params.loaded_tokens(reply(kvguard_tokens=tokens), 100) == 100
+        assert params.loaded_tokens(reply(kvguard_tokens=tokens), PROMPT) == 100
     assert logs == [
         {
             "event": "kv_tokens_ignored",
@@ -57,6 +58,45 @@ def test_a_bad_token_count_is_logged_and_the_whole_prompt_asked_for(tokens: obje
             "want": "int in [1, 100]",
         }
     ]
+
+
+@pytest.mark.usefixtures("all_levels")
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [*PROMPT[:-1], 5],  # the last token another
+        [5, *PROMPT[1:]],  # the first
+        PROMPT[::-1],  # the same tokens, in another order
+        [*PROMPT[:-1], 5, PROMPT[-1]],  # one more inside: the count's tokens differ
+    ],
+)
+def test_kv_of_another_prompt_is_not_loaded(prompt: list[int]) -> None:
+    with capture_logs() as logs:
+        assert params.loaded_tokens(reply(), prompt) == 0
+    assert logs == [
+        {
+            "event": "kv_prompt_mismatch",
+            "log_level": "warning",
+            "key": "kvguard_prompt_digest",
+            "value": repr(params.prompt_digest(PROMPT)),
+            "tokens": 100,
+        }
+    ]
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_a_shorter_prompt_than_the_prefills_loads_nothing() -> None:
+    with capture_logs() as logs:
+        assert params.loaded_tokens(reply(), PROMPT[:99]) == 0
+    assert [e["event"] for e in logs] == ["kv_tokens_ignored", "kv_prompt_mismatch"]
+
+
+def test_the_prompts_digest_is_of_its_ids_in_order_and_fixed_across_hosts() -> None:
+    # Pinned: a decode and a prefill of different versions or byte orders agree.
+    assert params.prompt_digest([1, 2, 3]) == params.prompt_digest((1, 2, 3))
+    assert params.prompt_digest([1, 2, 3]) == "abccad42d03c940bc2b249bf5a4e1e3d"
+    assert params.prompt_digest([]) != params.prompt_digest([0])
+    assert params.prompt_digest([1 << 40]) != params.prompt_digest([0])
 
 
 def test_the_proxy_sets_the_keys_this_module_owns() -> None:

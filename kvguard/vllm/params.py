@@ -7,7 +7,8 @@ client and the PD proxy (vLLM's toy proxy or ``kvguard.proxy``)::
     prefill -> client   prefill_reply(): {"do_remote_prefill": true,
                         "kvguard_endpoint": ..., "kvguard_request_id": ...,
                         "kvguard_deadline_s": ..., "kvguard_hold_s": ...,
-                        "kvguard_tp_size": ..., "kvguard_tokens": ...}
+                        "kvguard_tp_size": ..., "kvguard_tokens": ...,
+                        "kvguard_prompt_digest": ...}
     proxy -> decode     those, plus "kvguard_loads": n for a client's n > 1
 
 Each key is a constant here; no other module of the connector or the proxy
@@ -25,8 +26,11 @@ No vLLM here: the proxy imports the keys it sets from this module.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Mapping, MutableMapping
+import sys
+from array import array
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
@@ -45,6 +49,7 @@ __all__ = [
     "MAX_LOADS",
     "MAX_TP_SIZE",
     "PREFILL_KV_TRANSFER_PARAMS",
+    "PROMPT_DIGEST",
     "REQUEST_ID",
     "TOKENS",
     "TP_SIZE",
@@ -56,6 +61,7 @@ __all__ = [
     "loaded_tokens",
     "loading_started",
     "prefill_reply",
+    "prompt_digest",
     "source_of",
     "wants_hold",
     "wants_load",
@@ -92,6 +98,9 @@ TP_SIZE: Final = "kvguard_tp_size"  # prefill: its tensor parallel size
 # is longer (the proxy's early first token: the prompt and the prefill's
 # sampled token) loads these and computes the rest.
 TOKENS: Final = "kvguard_tokens"
+# prefill: ``prompt_digest`` of those tokens, so that a decode loads only
+# KV computed for its own prompt.
+PROMPT_DIGEST: Final = "kvguard_prompt_digest"
 # proxy -> decode: how many decode requests load the prefill request (the
 # client's n): vLLM may step between adding n > 1 children, so a group
 # cannot be counted by the children seen so far.
@@ -151,22 +160,40 @@ def wants_load(params: Mapping[str, Any] | None) -> bool:
     )
 
 
-def loaded_tokens(params: Mapping[str, Any], prompt_tokens: int) -> int:
-    """Decode: how many of its ``prompt_tokens`` the prefill's KV covers.
+def prompt_digest(tokens: Sequence[int]) -> str:
+    """The token ids a prefill's KV is of, as a 128-bit BLAKE2b hex digest
+    (each id 8 bytes little-endian, so both hosts agree whatever their order)."""
+    ids = array("q", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
 
-    The prefill's ``kvguard_tokens``; all of them where it is absent (a
+
+def loaded_tokens(params: Mapping[str, Any], prompt: Sequence[int]) -> int:
+    """Decode: how many tokens of its ``prompt`` to load from the prefill; 0
+    where the prefill's KV is of another prompt.
+
+    The prefill's ``kvguard_tokens``; the whole prompt where it is absent (a
     client or proxy that sends the prefill's prompt as it was). A value that
-    is not an int in [1, prompt_tokens] cannot be what a prefill of this
-    prompt held: logged, and the whole prompt asked for, as without it (a
-    load the prefill cannot serve fails there, with its own reason).
+    is not an int in [1, len(prompt)] cannot be what a prefill of this
+    prompt held: logged, and the whole prompt asked for, as without it.
+    Those tokens must be the ones the prefill computed
+    (``kvguard_prompt_digest``): else the KV would be another prompt's,
+    whole blocks of it in the right places, which no check of the bytes can
+    tell. The mismatch is logged and nothing loaded: the decode computes
+    the prompt itself, and the prefill is told to let go.
     """
-    tokens = params.get(TOKENS, prompt_tokens)
-    if type(tokens) is int and 0 < tokens <= prompt_tokens:
-        return tokens
-    _log.warning(
-        "kv_tokens_ignored", key=TOKENS, value=_quote(tokens), want=f"int in [1, {prompt_tokens}]"
-    )
-    return prompt_tokens
+    tokens = params.get(TOKENS, len(prompt))
+    if not (type(tokens) is int and 0 < tokens <= len(prompt)):
+        _log.warning(
+            "kv_tokens_ignored", key=TOKENS, value=_quote(tokens), want=f"int in [1, {len(prompt)}]"
+        )
+        tokens = len(prompt)
+    digest = params.get(PROMPT_DIGEST)
+    if digest is not None and digest != prompt_digest(prompt[:tokens]):
+        _log.warning("kv_prompt_mismatch", key=PROMPT_DIGEST, value=_quote(digest), tokens=tokens)
+        return 0
+    return tokens
 
 
 def loading_started(params: MutableMapping[str, Any]) -> None:
@@ -253,9 +280,15 @@ def load_ask(
 
 
 def prefill_reply(
-    *, endpoint: str, request_id: str, deadline: float, hold: float, tp_size: int, tokens: int
+    *,
+    endpoint: str,
+    request_id: str,
+    deadline: float,
+    hold: float,
+    tp_size: int,
+    prompt: Sequence[int],
 ) -> dict[str, Any]:
-    """What a prefill that holds a request's KV returns: the decode's params."""
+    """What a prefill that holds the KV of a request's ``prompt`` returns: the decode's params."""
     return {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
@@ -264,5 +297,6 @@ def prefill_reply(
         DEADLINE_S: deadline,
         HOLD_S: hold,
         TP_SIZE: tp_size,
-        TOKENS: tokens,
+        TOKENS: len(prompt),
+        PROMPT_DIGEST: prompt_digest(prompt),
     }

@@ -85,6 +85,7 @@ class _Queued:
 
     ask: LoadAsk
     due: float  # time.monotonic()
+    tokens: int  # of its prompt, to load (params.loaded_tokens; 0: none, another prompt's KV)
 
 
 class KVGuardScheduler:
@@ -113,9 +114,13 @@ class KVGuardScheduler:
     ) -> tuple[int | None, bool]:
         if self.is_producer or not wants_load(request.kv_transfer_params):
             return 0, False
-        assert request.kv_transfer_params is not None
-        prompt = len(request.prompt_token_ids or ())
-        count = loaded_tokens(request.kv_transfer_params, prompt) - num_computed_tokens
+        queued = self._queued.get(request.request_id)
+        if queued is not None:
+            tokens = queued.tokens
+        else:  # not seen arriving (vLLM calls on_new_request first)
+            assert request.kv_transfer_params is not None
+            tokens = loaded_tokens(request.kv_transfer_params, request.prompt_token_ids or ())
+        count = tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def on_new_request(self, request: Request) -> None:
@@ -126,9 +131,10 @@ class KVGuardScheduler:
             return
         assert params is not None
         ask = self._ask(params)  # parsed once: kept until allocation or finish
+        tokens = loaded_tokens(params, request.prompt_token_ids or ())
         # Due at once: one not allocated in its first step renews the hold
         # then, which the path here (proxy, API servers) has used part of.
-        self._queued[request.request_id] = _Queued(ask, time.monotonic())
+        self._queued[request.request_id] = _Queued(ask, time.monotonic(), tokens)
         self._group(ask).waiting.add(request.request_id)
 
     def _group(self, ask: LoadAsk) -> _Group:
@@ -218,7 +224,7 @@ class KVGuardScheduler:
             deadline=used,
             hold=s.hold_s,
             tp_size=self.tp_size,
-            tokens=request.num_prompt_tokens,
+            prompt=request.prompt_token_ids or (),
         )
         return True, reply
 

@@ -26,7 +26,15 @@ from kvguard.vllm.params import (
     REQUEST_ID,
     TP_SIZE,
 )
-from tests.vllm.client import Outcome, complete, http_session, pd, prompts_of, run
+from tests.vllm.client import (
+    Outcome,
+    complete,
+    http_session,
+    pd,
+    prefill_step,
+    prompts_of,
+    run,
+)
 from tests.vllm.cluster import (
     DEADLINE_S,
     FAILED,
@@ -104,3 +112,33 @@ def test_a_junk_deadline_to_a_prefill_gets_its_own_and_pd_still_equals_non_pd(
     assert got.kind == "ok" and got.tokens == list(want), f"{got}\n{c.logs()}"
     for s in c.servers:
         s.wait_idle(DEADLINE_S)
+
+
+def test_kv_of_another_prompt_is_not_loaded_and_the_prefill_lets_go(cluster: Cluster) -> None:
+    """A prefill's ``kv_transfer_params`` sent with another prompt of the same
+    length: the blocks would land in the right places, and no check of the
+    bytes could tell they are another prompt's. The prompt's digest can: the
+    decode computes its prompt itself, equal to non-PD, and tells the prefill
+    to let go at once (its hold would last ``kvguard_hold_s``, 30 s)."""
+    c = cluster
+    a = prompts_of(1, seed=324)[0]
+    b = [*a[:-1], a[-1] % 255 + 1]  # the last token another
+    (want,) = references(c, c.fail, [b], [MAX_TOKENS])
+    fresh(c.prefill, c.fail)
+    before = c.fail.tokens_by_source()
+    log_from = c.fail.log.stat().st_size
+
+    async def go() -> Outcome:
+        async with http_session() as http:
+            first, params = await prefill_step(http, c.prefill, a)
+            assert first.kind == "ok" and params is not None, first
+            out, _ = await complete(http, c.fail, b, MAX_TOKENS, params)
+            return out
+
+    got = run(go())
+    assert got.kind == "ok" and got.tokens == list(want), f"{got}\n{c.logs()}"
+    assert c.fail.tokens_by_source() - before == {"local_compute": len(b)}
+    with c.fail.log.open("rb") as f:
+        f.seek(log_from)
+        assert f.read().count(b"kv_prompt_mismatch") == 1
+    c.prefill.wait_idle(AT_ONCE_S)
