@@ -85,6 +85,21 @@ def test_kv_of_another_prompt_is_not_loaded(prompt: list[int]) -> None:
 
 
 @pytest.mark.usefixtures("all_levels")
+def test_a_prompt_of_embeddings_loads_nothing_by_token_and_says_nothing() -> None:
+    with capture_logs() as logs:
+        assert params.loaded_tokens(reply(), []) == 0
+    assert logs == []
+
+
+def test_the_prefill_says_whether_its_server_returns_text() -> None:
+    assert reply()[params.TEXT] is True
+    tokenless = prefill_reply(
+        endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=2, prompt=[1], text=False
+    )
+    assert tokenless[params.TEXT] is False
+
+
+@pytest.mark.usefixtures("all_levels")
 def test_a_shorter_prompt_than_the_prefills_loads_nothing() -> None:
     with capture_logs() as logs:
         assert params.loaded_tokens(reply(), PROMPT[:99]) == 0

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kvguard.proxy.first_token import CONTINUABLE, NEUTRAL, FirstToken, eligible
 from kvguard.proxy.protocol import CHAT_COMPLETIONS, COMPLETIONS
-from kvguard.vllm.params import TOKENS
+from kvguard.vllm.params import TEXT, TOKENS
 from tests.test_proxy import (
     Backend,
     backends,
@@ -75,6 +75,7 @@ def prefill_reply(rid: str, **choice: Any) -> dict[str, Any]:
             "kvguard_endpoint": "tcp://P",
             "kvguard_request_id": f"P/{rid}",
             TOKENS: len(PROMPT_IDS),
+            TEXT: True,
         },
     }
 
@@ -84,7 +85,7 @@ def prefill_reply(rid: str, **choice: Any) -> dict[str, Any]:
 
 def test_a_streamed_completion_of_known_fields_takes_the_prefills_token() -> None:
     assert eligible(COMPLETIONS, STREAMED)
-    assert eligible(COMPLETIONS, {**STREAMED, "prompt": [1, 2], "max_tokens": None})
+    assert eligible(COMPLETIONS, {**STREAMED, "prompt": [1, 2], "min_tokens": 4})
     every = {k: v[-1] for k, v in NEUTRAL.items()} | {k: None for k in CONTINUABLE}
     assert eligible(COMPLETIONS, {**every, "stream": True, "prompt": "x", "max_tokens": 2})
 
@@ -102,6 +103,9 @@ def test_a_streamed_completion_of_known_fields_takes_the_prefills_token() -> Non
         (COMPLETIONS, {"prompt_logprobs": 1}),
         (COMPLETIONS, {"stop": ["\n"]}),
         (COMPLETIONS, {"stop": "x"}),
+        (COMPLETIONS, {"stop": ""}),
+        (COMPLETIONS, {"skip_special_tokens": False}),
+        (COMPLETIONS, {"spaces_between_special_tokens": False}),
         (COMPLETIONS, {"seed": 1}),
         (COMPLETIONS, {"presence_penalty": 0.5}),
         (COMPLETIONS, {"frequency_penalty": 1}),
@@ -110,6 +114,9 @@ def test_a_streamed_completion_of_known_fields_takes_the_prefills_token() -> Non
         (COMPLETIONS, {"some_future_field": 1}),  # unknown: the two steps, as before
         (COMPLETIONS, {"max_tokens": 1}),  # the prefill's token is all of it
         (COMPLETIONS, {"max_tokens": 2.0}),
+        (COMPLETIONS, {"max_tokens": None}),  # vLLM's default would count from the decode
+        (COMPLETIONS, {"min_tokens": 5}),  # above max_tokens: the decode's 400, before any event
+        (COMPLETIONS, {"min_tokens": 1.0}),
         (COMPLETIONS, {"prompt": ["a", "b"]}),  # a batch
         (COMPLETIONS, {"prompt": []}),
         (COMPLETIONS, {"prompt": [1, True]}),
@@ -120,6 +127,10 @@ def test_anything_the_output_depends_on_takes_the_two_steps(
     path: str, change: dict[str, Any]
 ) -> None:
     assert not eligible(path, {**STREAMED, **change})
+
+
+def test_without_max_tokens_the_two_steps_are_taken() -> None:
+    assert not eligible(COMPLETIONS, {k: v for k, v in STREAMED.items() if k != "max_tokens"})
 
 
 def test_a_replys_token_is_used_only_if_the_decode_can_continue_from_it() -> None:
@@ -133,11 +144,17 @@ def test_a_replys_token_is_used_only_if_the_decode_can_continue_from_it() -> Non
         {"token_ids": None},
         {"prompt_token_ids": None},
         {"prompt_token_ids": [1, "2"]},
-        {"text": " \ufffd"},  # half a character: its text needs the next token's bytes
+        {"text": ""},  # held back: it ends inside a character
         {"text": None},
     ]
     for choice in defects:
         assert FirstToken.of(prefill_reply("r", **choice), params) is None, choice
+    # A server without a tokenizer: every text is empty, none is held back.
+    blank = prefill_reply("r", text="")
+    assert FirstToken.of(blank, {**params, TEXT: False}) == FirstToken(
+        "cmpl-r", CREATED, "tiny", PROMPT_IDS, 7, ""
+    )
+    assert FirstToken.of(blank, {k: v for k, v in params.items() if k != TEXT}) is None
     # Not a kvguard prefill, or a count that is not what it holds.
     assert FirstToken.of(reply, {k: v for k, v in params.items() if k != TOKENS}) is None
     assert FirstToken.of(reply, {**params, TOKENS: 4}) is None
@@ -159,10 +176,10 @@ def test_the_decode_continues_after_the_token_on_the_prompts_kv() -> None:
         "return_token_ids": True,
         "kv_transfer_params": params,
     }
-    assert first.decode_body({**STREAMED, "max_tokens": None, "min_tokens": 0}, params) == {
+    assert first.decode_body({**STREAMED, "min_tokens": 0}, params) == {
         **STREAMED,
         "prompt": [11, 12, 13, 7],
-        "max_tokens": None,
+        "max_tokens": 3,
         "min_tokens": 0,
         "kv_transfer_params": params,
     }
@@ -182,7 +199,7 @@ def test_the_decodes_events_read_as_one_completion() -> None:
     assert json.loads(got[0][6:]) == {
         "id": "cmpl-r",
         "created": CREATED,
-        "choices": [{"index": 0, "text": " B"}],
+        "choices": [{"index": 0, "text": " B", "prompt_token_ids": None}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
     assert got[1:] == [b'data: {"error": {"message": "m"}}', b"data: [DONE]", b""]
@@ -200,6 +217,8 @@ def test_the_first_event_is_vllms_chunk_of_the_prefills_token() -> None:
         "logprobs": None,
         "finish_reason": None,
         "stop_reason": None,
+        "prompt_token_ids": None,  # as vLLM's: set, null
+        "token_ids": None,
     }
     head = {"id": "cmpl-r", "object": "text_completion", "created": CREATED, "model": "tiny"}
     assert first.event(plain) == b"data: " + json.dumps({**head, "choices": [choice]}).encode() + (
@@ -297,7 +316,7 @@ def test_the_client_has_the_prefills_token_before_the_decode_answers(
             }
             assert [(e["id"], e["created"]) for e in rest] == [(f"cmpl-{rid}", CREATED)] * 3
             assert [c["token_ids"] for e in rest for c in e["choices"]] == [[8], [9], [10]]
-            assert all("prompt_token_ids" not in c for e in rest for c in e["choices"])
+            assert all(c.get("prompt_token_ids") is None for e in rest for c in e["choices"])
             assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
             assert done == "[DONE]"
 

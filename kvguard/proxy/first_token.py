@@ -17,8 +17,9 @@ that counts the output) or :data:`CONTINUABLE` (the rest carry over to a
 decode that starts one token later). Anything else -- chat (whose prompt
 cannot be given as token ids), a grammar, a field this table does not
 know -- takes the two-step path unchanged. So does a prefill that is not
-kvguard's (no ``kvguard_tokens``) or whose token ended the request or does
-not end on a whole character.
+kvguard's (no ``kvguard_tokens``), whose token ended the request, or whose
+token has no text of its own (it ends inside a character) from a server
+that returns text.
 
 The decode's events are rewritten so that the client sees one completion:
 the first event's id and creation time, its prompt's token ids once, and
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvguard.vllm.params import TOKENS
+from kvguard.vllm.params import TEXT, TOKENS
 
 from .protocol import COMPLETIONS
 
@@ -50,11 +51,15 @@ NEUTRAL: Final[Mapping[str, tuple[object, ...]]] = {
     "echo": (None, False),
     "logprobs": (None,),
     "prompt_logprobs": (None,),
-    "stop": (None, [], ""),
+    "stop": (None, []),
     "seed": (None,),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "suffix": (None,),
+    # The decode's detokenizer starts after the first token: with special
+    # tokens kept and unspaced it would not know the first was one.
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
 }
 # Fields that carry over to the decode as they are (``max_tokens`` and
 # ``min_tokens`` one less; ``prompt`` becomes token ids).
@@ -72,8 +77,6 @@ CONTINUABLE: Final = frozenset(
         "repetition_penalty",
         "ignore_eos",
         "stop_token_ids",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
         "return_token_ids",
         "user",
         "priority",
@@ -85,7 +88,6 @@ CONTINUABLE: Final = frozenset(
 # Fields the decode drops: its prompt is the prefill's token ids, already
 # truncated and with the tokenizer's special tokens.
 _PROMPT_FIELDS: Final = ("truncate_prompt_tokens", "add_special_tokens")
-_PARTIAL_CHARACTER: Final = "\ufffd"  # a token that ends inside a UTF-8 sequence
 
 
 def eligible(path: str, body: Mapping[str, Any]) -> bool:
@@ -98,14 +100,19 @@ def eligible(path: str, body: Mapping[str, Any]) -> bool:
                 return False
         elif key not in CONTINUABLE and key not in _PROMPT_FIELDS:
             return False
-    prompt, most = body.get("prompt"), body.get("max_tokens")
+    prompt, most, least = body.get("prompt"), body.get("max_tokens"), body.get("min_tokens")
     one_prompt = isinstance(prompt, str) or (
         isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
     )
+    # max_tokens stated: vLLM's default (16) would count from the decode's
+    # start. A min_tokens above it is the decode's 400, which the two steps
+    # return before any event.
     return (
         body.get("stream") is True
         and one_prompt
-        and (most is None or (type(most) is int and most >= 2))
+        and type(most) is int
+        and most >= 2
+        and (least is None or (type(least) is int and least <= most))
     )
 
 
@@ -147,7 +154,9 @@ class FirstToken:
             or choice.get("finish_reason") != "length"  # "stop": the request ends here
             or params.get(TOKENS) != len(prompt)  # a prefill that says what it holds
             or not isinstance(text, str)
-            or text.endswith(_PARTIAL_CHARACTER)
+            # vLLM holds back a token that ends inside a character (its text
+            # is empty); a decode starting after it would print the prompt.
+            or (not text and params.get(TEXT) is not False)
             or not isinstance(reply.get("id"), str)
             or type(reply.get("created")) is not int
             or not isinstance(reply.get("model"), str)
@@ -157,15 +166,16 @@ class FirstToken:
 
     def event(self, body: Mapping[str, Any]) -> bytes:
         """The client's first server-sent event, as vLLM streams a completion's."""
+        ids = bool(body.get("return_token_ids"))
         choice: dict[str, Any] = {
             "index": 0,
             "text": self.text,
             "logprobs": None,
             "finish_reason": None,
             "stop_reason": None,
+            "prompt_token_ids": self.prompt if ids else None,
+            "token_ids": [self.token] if ids else None,
         }
-        if body.get("return_token_ids"):
-            choice |= {"prompt_token_ids": self.prompt, "token_ids": [self.token]}
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": "text_completion",
@@ -182,8 +192,7 @@ class FirstToken:
         out = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS}
         out["prompt"] = [*self.prompt, self.token]
         out["kv_transfer_params"] = dict(params)
-        if type(most := body.get("max_tokens")) is int:
-            out["max_tokens"] = most - 1
+        out["max_tokens"] = body["max_tokens"] - 1  # an int >= 2 (``eligible``)
         if type(least := body.get("min_tokens")) is int and least > 0:
             out["min_tokens"] = least - 1
         return out
@@ -206,8 +215,8 @@ class FirstToken:
         if "id" in chunk:
             chunk["id"], chunk["created"] = self.id, self.created
         for choice in chunk.get("choices") or ():
-            if isinstance(choice, dict):
-                choice.pop("prompt_token_ids", None)
+            if isinstance(choice, dict) and "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None  # the first event had them
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

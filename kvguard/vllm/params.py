@@ -8,7 +8,7 @@ client and the PD proxy (vLLM's toy proxy or ``kvguard.proxy``)::
                         "kvguard_endpoint": ..., "kvguard_request_id": ...,
                         "kvguard_deadline_s": ..., "kvguard_hold_s": ...,
                         "kvguard_tp_size": ..., "kvguard_tokens": ...,
-                        "kvguard_prompt_digest": ...}
+                        "kvguard_prompt_digest": ..., "kvguard_text": ...}
     proxy -> decode     those, plus "kvguard_loads": n for a client's n > 1
 
 Each key is a constant here; no other module of the connector or the proxy
@@ -51,6 +51,7 @@ __all__ = [
     "PREFILL_KV_TRANSFER_PARAMS",
     "PROMPT_DIGEST",
     "REQUEST_ID",
+    "TEXT",
     "TOKENS",
     "TP_SIZE",
     "LoadAsk",
@@ -101,6 +102,10 @@ TOKENS: Final = "kvguard_tokens"
 # prefill: ``prompt_digest`` of those tokens, so that a decode loads only
 # KV computed for its own prompt.
 PROMPT_DIGEST: Final = "kvguard_prompt_digest"
+# prefill: whether its server returns text (false: --skip-tokenizer-init,
+# every token's text is empty). A proxy reads an empty text from a server
+# that does as a token that ends inside a character.
+TEXT: Final = "kvguard_text"
 # proxy -> decode: how many decode requests load the prefill request (the
 # client's n): vLLM may step between adding n > 1 children, so a group
 # cannot be counted by the children seen so far.
@@ -183,6 +188,8 @@ def loaded_tokens(params: Mapping[str, Any], prompt: Sequence[int]) -> int:
     tell. The mismatch is logged and nothing loaded: the decode computes
     the prompt itself, and the prefill is told to let go.
     """
+    if not prompt:  # embeddings: nothing to load by token
+        return 0
     tokens = params.get(TOKENS, len(prompt))
     if not (type(tokens) is int and 0 < tokens <= len(prompt)):
         _log.warning(
@@ -287,6 +294,7 @@ def prefill_reply(
     hold: float,
     tp_size: int,
     prompt: Sequence[int],
+    text: bool = True,
 ) -> dict[str, Any]:
     """What a prefill that holds the KV of a request's ``prompt`` returns: the decode's params."""
     return {
@@ -299,4 +307,5 @@ def prefill_reply(
         TP_SIZE: tp_size,
         TOKENS: len(prompt),
         PROMPT_DIGEST: prompt_digest(prompt),
+        TEXT: text,
     }

@@ -91,10 +91,13 @@ class _Queued:
 class KVGuardScheduler:
     """The scheduler side of ``KVGuardConnector``, for one engine (one role)."""
 
-    def __init__(self, settings: Settings, *, producer: bool, tp_size: int) -> None:
+    def __init__(
+        self, settings: Settings, *, producer: bool, tp_size: int, text: bool = True
+    ) -> None:
         self.settings = settings
         self.is_producer = producer
         self.tp_size = tp_size  # the engine's: a prefill tells decodes
+        self.text = text  # whether the server returns text (a prefill tells the proxy)
         self.endpoint = settings.endpoint  # prefill: rank 0's control endpoint
         self._meta = KVGuardMetadata()  # this step's, until build_connector_meta
         self._loading: set[str] = set()  # decode: loads handed to the worker, not yet reported
@@ -132,10 +135,14 @@ class KVGuardScheduler:
         assert params is not None
         ask = self._ask(params)  # parsed once: kept until allocation or finish
         tokens = loaded_tokens(params, request.prompt_token_ids or ())
+        self._group(ask).waiting.add(request.request_id)
+        if tokens == 0:  # another prompt's KV: the prefill lets go now, nothing renews it
+            loading_started(params)
+            self._not_loading(request.request_id, ask.source)
+            return
         # Due at once: one not allocated in its first step renews the hold
         # then, which the path here (proxy, API servers) has used part of.
         self._queued[request.request_id] = _Queued(ask, time.monotonic(), tokens)
-        self._group(ask).waiting.add(request.request_id)
 
     def _group(self, ask: LoadAsk) -> _Group:
         """The group loading ``ask``'s source, its declared size raised to
@@ -225,6 +232,7 @@ class KVGuardScheduler:
             hold=s.hold_s,
             tp_size=self.tp_size,
             prompt=request.prompt_token_ids or (),
+            text=self.text,
         )
         return True, reply
 

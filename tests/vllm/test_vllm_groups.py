@@ -27,7 +27,7 @@ from vllm.v1.request import RequestStatus
 
 from kvguard.vllm.connector import KVGuardConnector, KVGuardMetadata
 from kvguard.vllm.metadata import ForgetMeta
-from kvguard.vllm.params import Source
+from kvguard.vllm.params import PROMPT_DIGEST, TOKENS, Source, prompt_digest
 
 pytestmark = [pytest.mark.vllm]
 
@@ -298,3 +298,41 @@ def test_a_queued_request_renews_its_hold_at_once_then_every_third_of_it(
     finish(c, fast)
     finish(c, slow)
     assert groups(c) == {}
+
+
+@pytest.mark.usefixtures("all_levels")
+def test_kv_of_another_prompt_is_never_asked_for_and_the_prefill_lets_go_at_once(
+    connector: KVGuardConnector,
+) -> None:
+    """Checked as the request arrives: nothing renews the hold while it
+    queues, no load is pushed, the prefill is told to let go in the next step."""
+    c = connector
+    other = request("cmpl-x", "prefill-x")
+    other.kv_transfer_params |= {PROMPT_DIGEST: prompt_digest(range(1, 41)), TOKENS: 40}
+    with capture_logs() as logs:
+        c.on_new_request(other)
+    assert [e["event"] for e in logs] == ["kv_prompt_mismatch"]
+    assert step(c).forgets == [ForgetMeta(Source(ENDPOINT, "prefill-x", 1), 1)]
+    assert c.get_num_new_matched_tokens(other, 0) == (0, False)
+    c.update_state_after_alloc(other, blocks(), 0)
+    meta = step(c)
+    assert (meta.loads, meta.forgets) == ([], [])
+    finish(c, other)
+    assert groups(c) == {}
+
+
+def test_a_prompt_one_token_longer_than_the_prefills_loads_the_prefills_tokens(
+    connector: KVGuardConnector,
+) -> None:
+    """The proxy's early first token: the decode's prompt is the prefill's
+    and the token the prefill sampled; it loads the prefill's 39 tokens."""
+    c = connector
+    longer = request("cmpl-y", "prefill-y")
+    longer.kv_transfer_params |= {PROMPT_DIGEST: prompt_digest(range(39)), TOKENS: 39}
+    c.on_new_request(longer)
+    assert c.get_num_new_matched_tokens(longer, 0) == (39, True)
+    assert c.get_num_new_matched_tokens(longer, 32) == (7, True)  # a local prefix hit
+    allocate(c, longer, 4, 5)
+    assert [(m.request_id, m.block_ids) for m in step(c).loads] == [("cmpl-y", [4, 5])]
+    finish(c, longer)
+    assert step(c).cancels == ["cmpl-y"]  # vLLM waits for the worker's word
