@@ -112,7 +112,8 @@ class KVGuardConnector(KVConnectorBase_V1):
                 settings,
                 producer=producer,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                text=not vllm_config.model_config.skip_tokenizer_init,
+                # No model config: vLLM's default, a tokenizer.
+                text=not getattr(vllm_config.model_config, "skip_tokenizer_init", False),
             )
             endpoint, why = doorbell_route(vllm_config, producer, settings.idle_wait_ms)
             if endpoint:
