@@ -3,6 +3,10 @@ addresses a load's legs go to (``kvguard.vllm.ranks.Pairing``): no vLLM needed."
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import sys
+
 import pytest
 from structlog.testing import capture_logs
 
@@ -106,12 +110,32 @@ def test_a_shorter_prompt_than_the_prefills_loads_nothing() -> None:
     assert [e["event"] for e in logs] == ["kv_tokens_ignored", "kv_prompt_mismatch"]
 
 
+@pytest.mark.usefixtures("all_levels")
+def test_a_prompt_of_one_token_and_the_prefills_token_loads_the_one() -> None:
+    one = prefill_reply(
+        endpoint=EP, request_id="p1", deadline=5.0, hold=30.0, tp_size=1, prompt=[42]
+    )
+    with capture_logs() as logs:
+        assert params.loaded_tokens(one, [42, 7]) == 1
+    assert logs == []
+
+
+def test_a_big_endian_host_hashes_the_same_little_endian_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # This host is little-endian: told it is big, the ids are swapped to big-endian.
+    monkeypatch.setattr(sys, "byteorder", "big")  # params reads sys.byteorder
+    swapped = hashlib.blake2b(struct.pack(">3q", 1, 2, 3), digest_size=16).hexdigest()
+    assert params.prompt_digest([1, 2, 3]) == swapped
+
+
 def test_the_prompts_digest_is_of_its_ids_in_order_and_fixed_across_hosts() -> None:
     # Pinned: a decode and a prefill of different versions or byte orders agree.
     assert params.prompt_digest([1, 2, 3]) == params.prompt_digest((1, 2, 3))
     assert params.prompt_digest([1, 2, 3]) == "abccad42d03c940bc2b249bf5a4e1e3d"
     assert params.prompt_digest([]) != params.prompt_digest([0])
     assert params.prompt_digest([1 << 40]) != params.prompt_digest([0])
+    assert params.prompt_digest([-1]) != params.prompt_digest([1])  # any int64
 
 
 def test_the_proxy_sets_the_keys_this_module_owns() -> None:

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvguard.proxy.first_token import CONTINUABLE, NEUTRAL, FirstToken, eligible
+from kvguard.proxy.first_token import CONTINUABLE, NEUTRAL, FirstToken, eligible, prefill_asks
 from kvguard.proxy.protocol import CHAT_COMPLETIONS, COMPLETIONS
 from kvguard.vllm.params import TEXT, TOKENS
 from tests.test_proxy import (
@@ -143,7 +143,9 @@ def test_a_replys_token_is_used_only_if_the_decode_can_continue_from_it() -> Non
         {"token_ids": []},
         {"token_ids": None},
         {"prompt_token_ids": None},
-        {"prompt_token_ids": [1, "2"]},
+        {"prompt_token_ids": [11, 12, "13"]},  # as many as it holds, one not an id
+        {"prompt_token_ids": []},
+        {"token_ids": ["7"]},
         {"text": ""},  # held back: it ends inside a character
         {"text": None},
     ]
@@ -176,6 +178,7 @@ def test_the_decode_continues_after_the_token_on_the_prompts_kv() -> None:
         "return_token_ids": True,
         "kv_transfer_params": params,
     }
+    assert first.decode_body({**STREAMED, "min_tokens": 1}, params)["min_tokens"] == 0
     assert first.decode_body({**STREAMED, "min_tokens": 0}, params) == {
         **STREAMED,
         "prompt": [11, 12, 13, 7],
@@ -194,7 +197,10 @@ def test_the_decodes_events_read_as_one_completion() -> None:
         "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
     }
     events = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-    events += b'data: {"error": {"message": "m"}}\n\ndata: [DONE]\n\n'
+    later = {"id": "cmpl-other", "created": 5, "choices": [{"index": 0, "text": " C"}]}
+    events += b"data: " + json.dumps(later).encode() + b"\n\n"
+    # The decode's error and end, byte for byte: an error is never re-encoded.
+    events += b'data: {"error":{"message":"m","code":500}}\n\ndata: [DONE]\n\n'
     got = first.rewrite(events).split(b"\n\n")
     assert json.loads(got[0][6:]) == {
         "id": "cmpl-r",
@@ -202,8 +208,23 @@ def test_the_decodes_events_read_as_one_completion() -> None:
         "choices": [{"index": 0, "text": " B", "prompt_token_ids": None}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
-    assert got[1:] == [b'data: {"error": {"message": "m"}}', b"data: [DONE]", b""]
+    # A choice without the prompt's ids gets none.
+    assert json.loads(got[1][6:])["choices"] == [{"index": 0, "text": " C"}]
+    assert got[2:] == [b'data: {"error":{"message":"m","code":500}}', b"data: [DONE]", b""]
     assert first.rewrite(b"data: {not json\n\n: comment\n\n") == b"data: {not json\n\n: comment\n\n"
+    # Only data lines are read; another field's JSON is passed on as it came.
+    assert first.rewrite(b'event: {"id": "x"}\n\n') == b'event: {"id": "x"}\n\n'
+
+
+def test_usage_the_decode_did_not_count_in_whole_is_passed_on_as_it_came() -> None:
+    for usage in ({"prompt_tokens": 4, "completion_tokens": None}, {"prompt_tokens": "4"}):
+        event = b"data: " + json.dumps({"usage": usage}).encode()
+        assert json.loads(FIRST.rewrite(event)[6:]) == {"usage": usage}
+
+
+def test_the_prefill_is_asked_for_the_ids_whatever_the_client_asked() -> None:
+    assert prefill_asks({"prompt": "x"}) == {"prompt": "x", "return_token_ids": True}
+    assert prefill_asks({"return_token_ids": False})["return_token_ids"] is True
 
 
 def test_the_first_event_is_vllms_chunk_of_the_prefills_token() -> None:
