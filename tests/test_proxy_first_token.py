@@ -291,11 +291,19 @@ def decode_after(gate: asyncio.Event) -> Any:
     return handler
 
 
-async def stream(url: str, body: dict[str, Any], gate: asyncio.Event | None) -> list[Any]:
-    """The client's events, decoded; sets ``gate`` once it has the first."""
+async def stream(
+    url: str,
+    body: dict[str, Any],
+    gate: asyncio.Event | None,
+    headers: dict[str, str] | None = None,
+) -> list[Any]:
+    """The client's events, decoded; sets ``gate`` once it has the first
+    and copies the reply's headers, their names lower case, into ``headers``."""
     events: list[Any] = []
     async with aiohttp.ClientSession() as s, s.post(url + COMPLETIONS, json=body) as r:
         assert r.status == 200
+        if headers is not None:
+            headers.update((k.lower(), v) for k, v in r.headers.items())
         async for line in r.content:
             if line.startswith(b"data: "):
                 text = line[6:].strip()
@@ -316,10 +324,16 @@ def test_the_client_has_the_prefills_token_before_the_decode_answers(
             backends(("P", prefill), ("D", decode_after(gate))) as (p, d),
             proxy([p], [d]) as url,
         ):
-            events = await stream(url, body, gate)
+            seen: dict[str, str] = {}
+            events = await stream(url, body, gate, seen)
             [pre], [dec] = p.posts(), d.posts()
             assert pre.body["return_token_ids"] is True
             rid = pre.headers["X-Request-Id"]
+            assert (seen["content-type"], seen["x-request-id"], seen["cache-control"]) == (
+                "text/event-stream; charset=utf-8",
+                rid,
+                "no-cache",
+            )
             params = json.loads(p.answered[rid])["kv_transfer_params"]
             assert dec.body == {**body, "prompt": [*PROMPT_IDS, 7], "max_tokens": 3} | {
                 "kv_transfer_params": params
@@ -344,6 +358,7 @@ def test_the_client_has_the_prefills_token_before_the_decode_answers(
     run(scenario())
     [event] = requests_logged(logs)
     assert (event["outcome"], event["status"], event["served"]) == ("ok", 200, "early_first_token")
+    assert (event["prefill_status"], event["decode_status"]) == (200, 200)
 
 
 def test_a_decode_that_fails_after_the_first_event_ends_the_stream_with_its_error(
@@ -413,3 +428,60 @@ def test_a_prefill_whose_token_was_a_stop_leaves_the_prompt_to_the_decode(
     run(scenario())
     [event] = requests_logged(logs)
     assert (event["outcome"], event["served"]) == ("ok", "decode_only")
+
+
+async def answers_json(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+    return web.json_response({"choices": []})
+
+
+async def dies_after_one(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    await out.write(b'data: {"choices": []}\n\ndata: {"cho')
+    await asyncio.sleep(0.05)  # let the bytes reach the proxy before the close
+    assert request.transport is not None
+    request.transport.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("handler", "type_", "detail"),
+    [
+        (answers_json, "UpstreamProtocolError", "reply is application/json, not events"),
+        (
+            dies_after_one,
+            "UpstreamDisconnectedError",
+            "connection closed before the reply was complete",
+        ),
+    ],
+)
+def test_a_decode_that_cannot_continue_the_stream_ends_it_with_its_error(
+    handler: Any, type_: str, detail: str
+) -> None:
+    async def scenario() -> None:
+        async with backends(("P", prefill), ("D", handler)) as (p, d), proxy([p], [d]) as url:
+            first, *rest, err, done = await stream(url, STREAMED, None)
+            assert first["choices"][0]["token_ids"] == [7]
+            assert rest == ([{"choices": []}] if handler is dies_after_one else [])
+            assert err == error(502, type_, f"decode {d.url}: {detail}")
+            assert done == "[DONE]"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("choices", [[], [1], None, "x"])
+def test_a_prefill_reply_without_params_or_a_stop_is_502(choices: object) -> None:
+    async def odd(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+        return web.json_response({"choices": choices, "kv_transfer_params": None})
+
+    async def scenario() -> None:
+        async with backends(("P", odd), ("D", vllm)) as (p, d), proxy([p], [d]) as url:
+            reply = await post(url, COMPLETIONS, STREAMED)
+            assert reply.json() == error(
+                502,
+                "UpstreamProtocolError",
+                f"prefill {p.url}: prefill returned no kv_transfer_params",
+            )
+            assert d.posts() == []
+
+    run(scenario())
