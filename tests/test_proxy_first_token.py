@@ -485,3 +485,19 @@ def test_a_prefill_reply_without_params_or_a_stop_is_502(choices: object) -> Non
             assert d.posts() == []
 
     run(scenario())
+
+
+def test_an_event_the_decode_ends_without_its_blank_line_is_rewritten_too() -> None:
+    async def unterminated(backend: Backend, request: web.Request, body: Any) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"id": "cmpl-d", "created": 1, "choices": []}')  # no blank line
+        await out.write_eof()
+        return out
+
+    async def scenario() -> None:
+        async with backends(("P", prefill), ("D", unterminated)) as (p, d), proxy([p], [d]) as url:
+            first, last = await stream(url, STREAMED, None)
+            assert last == {"id": first["id"], "created": CREATED, "choices": []}
+
+    run(scenario())
