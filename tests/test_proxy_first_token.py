@@ -383,6 +383,7 @@ def test_a_decode_that_fails_after_the_first_event_ends_the_stream_with_its_erro
         200,
         "early_first_token",
     )
+    assert event["error"].endswith(": engine dead")
 
 
 def test_without_the_switch_the_decode_sends_the_first_token() -> None:
@@ -499,5 +500,43 @@ def test_an_event_the_decode_ends_without_its_blank_line_is_rewritten_too() -> N
         async with backends(("P", prefill), ("D", unterminated)) as (p, d), proxy([p], [d]) as url:
             first, last = await stream(url, STREAMED, None)
             assert last == {"id": first["id"], "created": CREATED, "choices": []}
+
+    run(scenario())
+
+
+def test_the_prefill_is_asked_for_ids_the_client_did_not_ask_for() -> None:
+    body = {k: v for k, v in STREAMED.items() if k != "return_token_ids"}
+    gate = asyncio.Event()
+    gate.set()
+
+    async def scenario() -> None:
+        async with (
+            backends(("P", prefill), ("D", decode_after(gate))) as (p, d),
+            proxy([p], [d]) as url,
+        ):
+            first, *_ = await stream(url, body, None)
+            [pre], [dec] = p.posts(), d.posts()
+            assert pre.body["return_token_ids"] is True
+            assert "return_token_ids" not in dec.body
+            assert dec.body["prompt"] == [*PROMPT_IDS, 7]
+            choice = first["choices"][0]
+            assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == (
+                " A",
+                None,
+                None,
+            )
+
+    run(scenario())
+
+
+def test_a_chats_prefill_is_capped_by_max_completion_tokens_too() -> None:
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def scenario() -> None:
+        async with backends(("P", vllm), ("D", vllm)) as (p, d), proxy([p], [d]) as url:
+            assert (await post(url, CHAT_COMPLETIONS, chat)).status == 200
+            [pre] = p.posts()
+            assert (pre.body["max_tokens"], pre.body["max_completion_tokens"]) == (1, 1)
+            assert "return_token_ids" not in pre.body  # a chat takes the two steps
 
     run(scenario())
