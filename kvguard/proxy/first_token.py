@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from kvguard.vllm.params import TEXT, TOKENS
 
-from .protocol import COMPLETIONS
+from .protocol import COMPLETIONS, only_choice
 
 __all__ = ["CONTINUABLE", "NEUTRAL", "FirstToken", "eligible", "prefill_asks"]
 
@@ -141,10 +141,9 @@ class FirstToken:
     @classmethod
     def of(cls, reply: Mapping[str, Any], params: Mapping[str, Any]) -> FirstToken | None:
         """The token of a prefill ``reply`` the decode can continue from, else None."""
-        choices = reply.get("choices")
-        if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)):
+        choice = only_choice(reply)
+        if choice is None:
             return None
-        choice = choices[0]
         prompt, token = _ints(choice.get("prompt_token_ids")), _ints(choice.get("token_ids"))
         text = choice.get("text")
         if (

@@ -26,7 +26,14 @@ from aiohttp import web
 from .backends import Pool
 from .config import ProxyConfig
 from .first_token import FirstToken
-from .protocol import CLIENT_TIMEOUT_HEADER, Failure, ProxyError, json_type, upstream_http_error
+from .protocol import (
+    CLIENT_TIMEOUT_HEADER,
+    Failure,
+    ProxyError,
+    json_type,
+    only_choice,
+    upstream_http_error,
+)
 from .record import Record
 
 __all__ = ["IDLE_CONNECTION_S", "ClientGone", "Leg", "Proxy"]
@@ -225,7 +232,7 @@ class Proxy:
             raise leg.fail(Failure.BAD_RESPONSE, "reply is not a JSON object")
         params = reply.get("kv_transfer_params")
         if not params:
-            if _finish_reason(reply) == "stop":
+            if (choice := only_choice(reply)) is not None and choice.get("finish_reason") == "stop":
                 return reply, None
             raise leg.fail(Failure.BAD_RESPONSE, "prefill returned no kv_transfer_params")
         if not isinstance(params, dict):
@@ -344,13 +351,6 @@ class Proxy:
         resp.close()
         await _write(out, error.sse_event() + _DONE_EVENT)
         return error
-
-
-def _finish_reason(reply: Mapping[str, Any]) -> object:
-    choices = reply.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("finish_reason")
-    return None
 
 
 async def _write(out: web.StreamResponse, data: bytes) -> None:

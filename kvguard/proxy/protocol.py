@@ -58,6 +58,7 @@ __all__ = [
     "decode_alone",
     "decode_request",
     "json_type",
+    "only_choice",
     "parse_client_body",
     "prefill_request",
     "upstream_http_error",
@@ -139,6 +140,14 @@ def decode_request(
     if (n := _choices(body)) > 1:
         params[KV_LOADS] = n
     return {**body, "kv_transfer_params": params}
+
+
+def only_choice(reply: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A prefill reply's one choice (the prefill is always asked for one), else None."""
+    choices = reply.get("choices")
+    if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+        return choices[0]
+    return None
 
 
 def decode_alone(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -91,9 +91,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         assert leg is not None  # a pool of one or more, nothing tried
         leg = leg.within(rec.left(allowed))
         with rec.leg(leg):
-            if first is not None:
+            if first is not None and params is not None:
                 rec.served = Served.EARLY_FIRST_TOKEN
-                bodies = body, first.decode_body(body, params or {})
+                bodies = body, first.decode_body(body, params)
                 out, error = await proxy.decode_after(request, leg, first, bodies, headers, rec)
             else:
                 # Its one token ended the request: the decode computes the
