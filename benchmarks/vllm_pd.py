@@ -35,6 +35,8 @@ Figures per connector and concurrency (``vllm_pd.json``, plot
   recorded in its frontend), p50 and p99; the aggregated row is the same
   figure on the one server (local prefill included);
 * TTFT: the client's request sent to first streamed token, through the proxy;
+  split at the server that computed the prompt (the aggregated one, or the
+  prefill): its compute, its own latency, and the rest beyond it;
 * KV bytes/s: KV bytes moved over the time some transfer was in flight (the
   union of the transfers' intervals, each as the connector timed it), and
   the median transfer's own rate;
@@ -45,6 +47,10 @@ Figures per connector and concurrency (``vllm_pd.json``, plot
 * kvguard only, per request: where the handover time goes (schedule, push,
   submit, engine, release, report, first token; see
   ``benchmarks.vllm_pd_figures.PHASES``).
+
+``--reader-spin-s S`` is a diagnostic: every server's vLLM queue readers
+busy-wait ``S`` after a read instead of vLLM's 1 s, so that two servers
+sharing a small host stop spinning on the cores the other computes on.
 
 The patches inside the servers (a CPU shim for Mooncake's device lookup and
 the recorders) are ``benchmarks.vllm_shim``'s, never kvguard's. Needs
@@ -118,6 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one run, concurrency 1 and 4, 4 requests each"
     )
+    parser.add_argument(
+        "--reader-spin-s",
+        type=float,
+        default=None,
+        help="diagnostic: how long every server's vLLM queue readers busy-wait "
+        "after a read (vLLM: 1 s; benchmarks.vllm_shim)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / ".venv-vllm" / "vllm-pd")
     parser.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -136,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, not {args.runs}")
     runs = 1 if args.quick else args.runs
+    if args.reader_spin_s is not None:
+        if not 0 <= args.reader_spin_s <= 60:
+            parser.error(f"--reader-spin-s must be 0 to 60 s, not {args.reader_spin_s}")
+        os.environ["KVGUARD_BENCH_READER_SPIN_S"] = repr(args.reader_spin_s)  # the servers'
     concurrencies = [1, 4] if args.quick else [int(c) for c in args.concurrency.split(",")]
     if args.requests:
         counts = [int(n) for n in args.requests.split(",")]

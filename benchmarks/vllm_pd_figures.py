@@ -34,6 +34,7 @@ __all__ = [
     "plot",
     "spread",
     "summarize",
+    "ttft_split",
     "union_seconds",
 ]
 
@@ -128,6 +129,44 @@ def _match(server_reqs: list[dict[str, Any]], rid: str) -> dict[str, Any] | None
     return None
 
 
+def ttft_split(sent: list[Sent], prefill_reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The client's TTFT split at the server that computed the prompt (the
+    aggregated one, or the prefill): its compute (scheduled -> first token),
+    its own latency (arrival -> first token) and the rest, beyond it (HTTP,
+    the proxy both ways; two steps: the handover and the decode's step too).
+
+    A server's request is the client's if it arrived while the client waited
+    for the first token and has its prompt's length (no two overlap at c = 1).
+    """
+    compute: list[float] = []
+    server: list[float] = []
+    beyond: list[float] = []
+    for s in sent:
+        if s.error or not s.first:
+            continue
+        r = next(
+            (
+                r
+                for r in prefill_reqs
+                if r.get("prompt_tokens") == s.tokens_in
+                and r.get("first_token_latency") is not None
+                and s.start <= float(r.get("arrival") or 0.0) <= s.first
+            ),
+            None,
+        )
+        if r is None:
+            continue
+        compute.append(float(r["prefill"]))
+        server.append(float(r["first_token_latency"]))
+        beyond.append(s.first - s.start - server[-1])
+    return {
+        "ttft_split_n": len(compute),
+        "prefill_compute_ms": spread(compute),
+        "prefill_server_ms": spread(server),
+        "ttft_beyond_prefill_ms": spread(beyond),
+    }
+
+
 def kvguard_phases(
     prefill_events: list[dict[str, Any]],
     decode_events: list[dict[str, Any]],
@@ -202,6 +241,7 @@ def summarize(
         "ttft_p50_ms": _ms(percentile(ttft, 50)),
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "wall_s": round(window[1] - window[0], 3),
+        **ttft_split(ok, read_jsonl(records, "requests", servers[0].name)),
     }
     if connector == "mooncake":
         row["client_decode_leg_p50_ms"] = _ms(percentile(client_handover, 50))
@@ -312,7 +352,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's ratios, same run: kvguard / Mooncake handover, kvguard /
-    backend-alone KV bytes/s."""
+    aggregated TTFT, kvguard / backend-alone KV bytes/s."""
     conns = result["connectors"]
     kvg, mc = (
         conns.get("kvguard", {}).get("levels", {}),
@@ -325,9 +365,14 @@ def goals(result: dict[str, Any]) -> dict[str, Any]:
         c: {"kv_gbps": max(r[c]["kv_gbps"] for r in runs if c in r)} for c in set().union(*runs)
     }
     best = max((v["kv_gbps"] for v in limit.values()), default=math.nan)
+    agg = conns.get("aggregated", {}).get("levels", {})
     out: dict[str, Any] = {}
     for c in sorted(set(kvg) | set(mc), key=int):
         g: dict[str, Any] = {}
+        if c in kvg and c in agg and agg[c].get("ttft_p50_ms"):
+            ratio = kvg[c]["ttft_p50_ms"] / agg[c]["ttft_p50_ms"]
+            g["ttft_p50_vs_aggregated"] = round(ratio, 3)
+            g["ttft_p50_ok"] = ratio <= 1.25
         if c in kvg and c in mc:
             for q in ("p50", "p99"):
                 ratio = kvg[c][f"handover_{q}_ms"] / mc[c][f"handover_{q}_ms"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from .vllm_pd_figures import goals, hook_delta, hook_totals, plot, summarize
 from .vllm_pd_limit import backend_limit
 from .vllm_pd_runs import HEADLINE, combine, order
 from .vllm_pd_servers import BLOCK_SIZE, MODEL_DIR, Ports, mooncake_extra, proxy, server
+from .vllm_shim import ENV_READER_SPIN
 
 __all__ = ["measure_connector", "merge_runs", "run"]
 
@@ -104,6 +106,8 @@ def measure_connector(
                 f"   {connector} c={c:<3} n={n:<3} errors={row['errors']} "
                 f"handover p50/p99 {row['handover_p50_ms']}/{row['handover_p99_ms']} ms  "
                 f"ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms  "
+                f"prefill compute p50 {row['prefill_compute_ms']['p50']} ms, "
+                f"beyond the prefill {row['ttft_beyond_prefill_ms']['p50']} ms  "
                 f"kv {row['kv_gbps']} GB/s"
                 + (f"  transfer p50 {row['transfer_ms']['p50']} ms" if "transfer_ms" in row else "")
             )
@@ -160,6 +164,7 @@ def run(
         "max_tokens": MAX_TOKENS,
         "levels": {str(c): n for c, n in levels},
         "runs": runs,
+        "reader_spin_s": os.environ.get(ENV_READER_SPIN),  # None: vLLM's own (1 s)
         "connectors": {},
     }
     log("== kvguard's MooncakeBackend alone, two processes, the same per-request KV")

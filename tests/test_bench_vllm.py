@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
-from benchmarks.vllm_pd_figures import hook_delta, percentile, spread, union_seconds
+from benchmarks.vllm_pd_client import Sent
+from benchmarks.vllm_pd_figures import (
+    goals,
+    hook_delta,
+    percentile,
+    spread,
+    ttft_split,
+    union_seconds,
+)
 from benchmarks.vllm_pd_run import merge_runs
 from benchmarks.vllm_pd_runs import combine, order
 from benchmarks.vllm_shim import IDLE_WAIT
@@ -181,3 +189,104 @@ def test_the_device_shim_applies_only_in_benchmark_servers(shim: bool, tmp_path:
         assert out == "0"
     else:
         assert out == "raised Cannot access accelerator device when none is available."
+
+
+# vLLM's shared-memory queue's SpinCondition as 0.32 constructs it: keywords,
+# busy_loop_s left to its default.
+_FAKE_SHM = """
+class SpinCondition:
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
+        self.args = (is_reader, context, notify_address)
+        self.busy_loop_s = busy_loop_s
+"""
+_SPIN_PROBE = """
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+a = SpinCondition(is_reader=True, context="ctx", notify_address="ipc://x")
+b = SpinCondition(False, "ctx", "ipc://y", 7)
+print(a.args, a.busy_loop_s, b.args, b.busy_loop_s)
+"""
+
+
+@pytest.mark.parametrize(
+    ("spin", "expected"),
+    [
+        (None, "(True, 'ctx', 'ipc://x') 1 (False, 'ctx', 'ipc://y') 7"),
+        ("0.002", "(True, 'ctx', 'ipc://x') 0.002 (False, 'ctx', 'ipc://y') 0.002"),
+    ],
+)
+def test_reader_spin_sets_every_queue_readers_busy_wait_only_when_asked(
+    spin: str | None, expected: str, tmp_path: Path
+) -> None:
+    pkg = tmp_path / "vllm" / "distributed" / "device_communicators"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "shm_broadcast.py").write_text(_FAKE_SHM)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_BENCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "benchmarks" / "_site"), str(ROOT), str(tmp_path)]
+    )
+    env["KVGUARD_BENCH_DIR"] = str(tmp_path / "records")
+    if spin is not None:
+        env["KVGUARD_BENCH_READER_SPIN_S"] = spin
+    out = subprocess.run(
+        [sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == expected
+
+
+def _sent(start: float, ttft: float, tokens: int, error: str = "") -> Sent:
+    return Sent(index=0, tokens_in=tokens, start=start, first=start + ttft, error=error)
+
+
+def _served(arrival: float, tokens: int, latency: float, compute: float) -> dict[str, object]:
+    return {
+        "arrival": arrival,
+        "prompt_tokens": tokens,
+        "first_token_latency": latency,
+        "prefill": compute,
+    }
+
+
+def test_ttft_splits_at_the_server_whose_request_arrived_while_the_client_waited() -> None:
+    sent = [
+        _sent(100.0, 0.5, 1500),
+        _sent(200.0, 0.4, 1200),
+        _sent(300.0, 0.3, 1300, error="HTTP 502"),  # failed: not split
+        _sent(400.0, 0.3, 1400),  # its server request arrived after its first token
+    ]
+    served = [
+        _served(200.01, 1500, 0.2, 0.15),  # same length, another request's window
+        _served(100.02, 1500, 0.45, 0.4),
+        _served(200.005, 1201, 0.1, 0.1),  # another prompt in the window
+        _served(200.02, 1200, 0.35, 0.3),
+        _served(300.01, 1300, 0.25, 0.2),
+        _served(400.5, 1400, 0.2, 0.2),
+    ]
+    split = ttft_split(sent, served)
+    assert split["ttft_split_n"] == 2
+    assert split["prefill_compute_ms"] == spread([0.4, 0.3])
+    assert split["prefill_server_ms"] == spread([0.45, 0.35])
+    beyond = split["ttft_beyond_prefill_ms"]
+    assert beyond["mean"] == pytest.approx(50.0, abs=0.01)  # 50 ms each
+    assert beyond["p99"] == pytest.approx(50.0, abs=0.01)
+
+
+def test_goals_hold_kvguards_ttft_against_the_aggregated_servers_same_run() -> None:
+    def level(ttft: float, handover: float) -> dict[str, float]:
+        return {"ttft_p50_ms": ttft, "handover_p50_ms": handover, "handover_p99_ms": handover}
+
+    result = {
+        "connectors": {
+            "aggregated": {"levels": {"1": level(400.0, 400.0), "8": level(800.0, 800.0)}},
+            "kvguard": {"levels": {"1": level(500.0, 90.0), "8": level(1001.0, 100.0)}},
+            "mooncake": {"levels": {"1": level(700.0, 100.0), "8": level(900.0, 99.0)}},
+        },
+        "backend_limit": {},
+        "backend_limit_after": {},
+    }
+    g = goals(result)
+    assert (g["1"]["ttft_p50_vs_aggregated"], g["1"]["ttft_p50_ok"]) == (1.25, True)
+    assert (g["8"]["ttft_p50_vs_aggregated"], g["8"]["ttft_p50_ok"]) == (1.251, False)
+    assert (g["1"]["handover_p50_vs_mooncake"], g["1"]["handover_p50_ok"]) == (0.9, True)
+    assert (g["8"]["handover_p99_vs_mooncake"], g["8"]["handover_p99_ok"]) == (1.01, False)
