@@ -290,3 +290,47 @@ def test_goals_hold_kvguards_ttft_against_the_aggregated_servers_same_run() -> N
     assert (g["8"]["ttft_p50_vs_aggregated"], g["8"]["ttft_p50_ok"]) == (1.251, False)
     assert (g["1"]["handover_p50_vs_mooncake"], g["1"]["handover_p50_ok"]) == (0.9, True)
     assert (g["8"]["handover_p99_vs_mooncake"], g["8"]["handover_p99_ok"]) == (1.01, False)
+
+
+def test_goals_without_an_aggregated_level_hold_no_ttft_and_kv_against_the_better_limit() -> None:
+    result = {
+        "connectors": {
+            "aggregated": {"levels": {"8": {"ttft_p50_ms": 800.0}}},
+            "kvguard": {"levels": {"1": {"ttft_p50_ms": 500.0, "kv_gbps": 1.6}}},
+        },
+        # The limit is the better of before and after at the same c; "best" over every c.
+        "backend_limit": {"1": {"kv_gbps": 1.0}, "8": {"kv_gbps": 4.0}},
+        "backend_limit_after": {"1": {"kv_gbps": 2.0}},
+    }
+    assert goals(result) == {
+        "1": {
+            "kv_gbps_vs_backend_same_c": 0.8,
+            "kv_gbps_vs_backend_best": 0.4,
+            "kv_gbps_ok": True,
+        }
+    }
+    result["connectors"]["kvguard"]["levels"]["1"]["kv_gbps"] = 1.59
+    assert goals(result)["1"]["kv_gbps_ok"] is False
+    del result["connectors"]["aggregated"]
+    assert "ttft_p50_vs_aggregated" not in goals(result)["1"]
+
+
+def test_ttft_split_takes_the_window_closed_and_skips_what_it_cannot_match() -> None:
+    sent = [
+        _sent(10.0, 0.5, 1500, error="HTTP 504"),  # failed first: the others still count
+        _sent(20.0, 0.5, 1600),  # its server request has no arrival: unmatched
+        _sent(0.5, 0.5, 1700),  # a window that would take a missing arrival read as 1.0
+        _sent(30.0, 0.5, 1800),  # arrived at the very start
+        _sent(40.0, 0.5, 1900),  # arrived at the very first token
+    ]
+    served = [
+        _served(10.1, 1500, 0.2, 0.1),
+        {"arrival": None, "prompt_tokens": 1600, "first_token_latency": 0.3, "prefill": 0.2},
+        {"arrival": None, "prompt_tokens": 1700, "first_token_latency": 0.3, "prefill": 0.2},
+        _served(30.0, 1800, 0.4, 0.3),
+        _served(40.5, 1900, 0.25, 0.2),
+    ]
+    split = ttft_split(sent, served)
+    assert split["ttft_split_n"] == 2
+    assert split["prefill_compute_ms"] == spread([0.3, 0.2])
+    assert split["prefill_server_ms"] == spread([0.4, 0.25])
