@@ -202,7 +202,7 @@ class SpinCondition:
 _SPIN_PROBE = """
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 a = SpinCondition(is_reader=True, context="ctx", notify_address="ipc://x")
-b = SpinCondition(False, "ctx", "ipc://y", 7)
+b = SpinCondition(False, "ctx", "ipc://y", busy_loop_s=7)
 print(a.args, a.busy_loop_s, b.args, b.busy_loop_s)
 """
 
@@ -229,10 +229,10 @@ def test_reader_spin_sets_every_queue_readers_busy_wait_only_when_asked(
     env["KVGUARD_BENCH_DIR"] = str(tmp_path / "records")
     if spin is not None:
         env["KVGUARD_BENCH_READER_SPIN_S"] = spin
-    out = subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert out == expected
+    )
+    assert (proc.stdout.strip(), proc.stderr) == (expected, "")
 
 
 def _sent(start: float, ttft: float, tokens: int, error: str = "") -> Sent:
