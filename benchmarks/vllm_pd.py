@@ -48,9 +48,14 @@ Figures per connector and concurrency (``vllm_pd.json``, plot
   submit, engine, release, report, first token; see
   ``benchmarks.vllm_pd_figures.PHASES``).
 
-``--reader-spin-s S`` is a diagnostic: every server's vLLM queue readers
-busy-wait ``S`` after a read instead of vLLM's 1 s, so that two servers
-sharing a small host stop spinning on the cores the other computes on.
+vLLM's queue readers busy-wait 1 s after each read. On a host with fewer
+than ``SPIN_OWN_CPUS`` CPUs the two servers of a pair spin on the cores the
+other computes on, which a deployment with cores or a host per server does
+not, so by default (``--reader-spin-s auto``) every server alike, the
+aggregated one included, runs with kvguard's ``KVGUARD_VLLM_READER_SPIN_S``
+at 2 ms there (``kvguard.vllm.reader_spin``, the vLLM plugin a deployment
+that shares cores sets the same way). ``--reader-spin-s vllm`` keeps vLLM's
+own; a number sets it. The run's JSON records what the servers had.
 
 The patches inside the servers (a CPU shim for Mooncake's device lookup and
 the recorders) are ``benchmarks.vllm_shim``'s, never kvguard's. Needs
@@ -74,7 +79,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-__all__ = ["CONNECTORS", "main"]
+__all__ = ["CONNECTORS", "SPIN_OWN_CPUS", "main", "reader_spin"]
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 VLLM_PYTHON: Final = ROOT / ".venv-vllm" / "bin" / "python"
@@ -88,6 +93,26 @@ OPTIONAL: Final = ("kvguard-nowait", "kvguard-two-step")
 # Requests per level. 24 at c = 1, where they are cheap: with 8 a run's p99
 # was its slowest request, and the runs' ranges overlapped between connectors.
 FULL_REQUESTS: Final = {1: 24, 8: 32, 32: 64}
+# Two servers, each with two readers that spin (its worker's and its engine
+# core's) and two compute threads: below this the pair spins on shared cores.
+SPIN_OWN_CPUS: Final = 8
+SHARED_CPUS_SPIN_S: Final = 0.002  # docs/performance.md: enough for back-to-back steps
+
+
+def reader_spin(arg: str, cpus: int) -> tuple[float | None, str]:
+    """The servers' reader spin for ``--reader-spin-s arg`` (None: vLLM's own) and why.
+
+    A bad ``arg`` raises ``ReaderSpinError`` naming it.
+    """
+    from kvguard.vllm.reader_spin import parse
+
+    if arg == "vllm":
+        return None, "vLLM's own (--reader-spin-s vllm)"
+    if arg != "auto":
+        return parse(arg), "--reader-spin-s"
+    if cpus < SPIN_OWN_CPUS:
+        return SHARED_CPUS_SPIN_S, f"auto: {cpus} CPUs, fewer than {SPIN_OWN_CPUS}"
+    return None, f"auto: vLLM's own, {cpus} CPUs"
 
 
 def reexec_in_vllm_env(argv: Sequence[str]) -> None:
@@ -126,10 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--reader-spin-s",
-        type=float,
-        default=None,
-        help="diagnostic: how long every server's vLLM queue readers busy-wait "
-        "after a read (vLLM: 1 s; benchmarks.vllm_shim)",
+        default="auto",
+        help="how long every server's vLLM queue readers busy-wait after a read: "
+        f"seconds, 'vllm' (its own, 1 s) or 'auto' ({SHARED_CPUS_SPIN_S} s on a host "
+        f"with fewer than {SPIN_OWN_CPUS} CPUs, else vLLM's own; the default)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / ".venv-vllm" / "vllm-pd")
     parser.add_argument("--json", type=Path, default=None, help="also write the table here")
@@ -149,10 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, not {args.runs}")
     runs = 1 if args.quick else args.runs
-    if args.reader_spin_s is not None:
-        if not 0 <= args.reader_spin_s <= 60:
-            parser.error(f"--reader-spin-s must be 0 to 60 s, not {args.reader_spin_s}")
-        os.environ["KVGUARD_BENCH_READER_SPIN_S"] = repr(args.reader_spin_s)  # the servers'
+    from kvguard.vllm.reader_spin import ENV, ReaderSpinError
+
+    try:
+        spin, why = reader_spin(args.reader_spin_s, len(os.sched_getaffinity(0)))
+    except ReaderSpinError as exc:
+        parser.error(str(exc))
+    os.environ.pop(ENV, None)  # the servers inherit this environment
+    if spin is not None:
+        os.environ[ENV] = repr(spin)
+    print(f"vLLM's queue readers spin {'1 s' if spin is None else f'{spin:g} s'} ({why})")
     concurrencies = [1, 4] if args.quick else [int(c) for c in args.concurrency.split(",")]
     if args.requests:
         counts = [int(n) for n in args.requests.split(",")]
@@ -169,7 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .vllm_pd_run import run
 
     result = run(
-        connectors, concurrencies, requests, args.out, log=lambda s: print(s, flush=True), runs=runs
+        connectors,
+        concurrencies,
+        requests,
+        args.out,
+        log=lambda s: print(s, flush=True),
+        runs=runs,
+        spin_why=why,
     )
     if args.json is not None:
         shutil.copyfile(args.out / "vllm_pd.json", args.json)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from kvguard.vllm.reader_spin import ENV as ENV_READER_SPIN
 from tests.vllm import checkpoint
 from tests.vllm.servers import Proxy, start_all
 
@@ -28,7 +29,6 @@ from .vllm_pd_figures import goals, hook_delta, hook_totals, plot, summarize
 from .vllm_pd_limit import backend_limit
 from .vllm_pd_runs import HEADLINE, combine, order
 from .vllm_pd_servers import BLOCK_SIZE, MODEL_DIR, Ports, mooncake_extra, proxy, server
-from .vllm_shim import ENV_READER_SPIN
 
 __all__ = ["measure_connector", "merge_runs", "run"]
 
@@ -144,6 +144,7 @@ def run(
     ports: Ports | None = None,
     log: Callable[[str], None] = print,
     runs: int = 3,
+    spin_why: str = "",
 ) -> dict[str, Any]:
     ports = ports or Ports()
     out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,7 @@ def run(
         "levels": {str(c): n for c, n in levels},
         "runs": runs,
         "reader_spin_s": os.environ.get(ENV_READER_SPIN),  # None: vLLM's own (1 s)
+        "reader_spin_why": spin_why,
         "connectors": {},
     }
     log("== kvguard's MooncakeBackend alone, two processes, the same per-request KV")

@@ -23,8 +23,6 @@ from tests.vllm.ports import free_port
 from tests.vllm.servers import ROOT, Proxy, Server
 from tests.vllm.servers import kv_config as kvguard_config
 
-from .vllm_shim import ENV_READER_SPIN
-
 __all__ = [
     "BLOCK_SIZE",
     "DEADLINE_S",
@@ -106,8 +104,6 @@ def server(connector: str, role: str, ports: Ports, out: Path) -> Server:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     }
-    if spin := os.environ.get(ENV_READER_SPIN):  # --reader-spin-s: every server alike
-        env[ENV_READER_SPIN] = spin
     if connector == "nixl":
         # UCX's TCP transport, like Mooncake's: on one host UCX would pick
         # shared memory, which no two-host deployment has.

@@ -22,14 +22,7 @@ does nothing. Each patch is applied when its module is first imported:
 * transfer events (``events-*``): kvguard's sender and receiver (hold,
   push, submit, release, outcome, report), Mooncake's batch write and
   NIXL's finished transfers (start, end, bytes), on one clock
-  (``time.time()``, which vLLM's arrival time also uses);
-* with ``KVGUARD_BENCH_READER_SPIN_S`` set (``--reader-spin-s``, a
-  diagnostic, every server alike): how long vLLM's shared-memory queue
-  readers busy-wait after a read before they sleep on a socket (vLLM: 1 s,
-  not configurable). The worker reading its engine's next step and the
-  engine reading its worker's output spin that long; two servers on one
-  2-core host spin on the cores the other computes on, which a deployment
-  with a host or cores per server does not.
+  (``time.time()``, which vLLM's arrival time also uses).
 
 Files go to ``$KVGUARD_BENCH_DIR`` named after ``$KVGUARD_BENCH_SERVER``
 and the process id.
@@ -51,7 +44,6 @@ __all__ = ["CONNECTOR_HOOKS", "IDLE_WAIT", "install"]
 
 ENV_DIR: Final = "KVGUARD_BENCH_DIR"
 ENV_SERVER: Final = "KVGUARD_BENCH_SERVER"
-ENV_READER_SPIN: Final = "KVGUARD_BENCH_READER_SPIN_S"
 
 # The per-step hooks of vLLM's KVConnectorBase_V1 (scheduler and worker
 # side); register_kv_caches and shutdown run once and are left out.
@@ -315,19 +307,7 @@ def _kvguard_doorbell(mod: ModuleType) -> None:
     _wrap(mod.Doorbell, "wait", wait)
 
 
-def _reader_spin(mod: ModuleType) -> None:
-    spin = float(os.environ[ENV_READER_SPIN])
-    cls = mod.SpinCondition
-
-    def init(fn: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs.pop("busy_loop_s", None)  # vLLM passes none; a later one's is replaced too
-        return fn(self, *args[:3], busy_loop_s=spin, **kwargs)
-
-    _wrap(cls, "__init__", init)
-
-
 _V1: Final = "vllm.distributed.kv_transfer.kv_connector.v1"
-_SHM: Final = "vllm.distributed.device_communicators.shm_broadcast"
 
 
 def install() -> None:
@@ -337,12 +317,10 @@ def install() -> None:
     if not out or _sink is not None:
         return
     _sink = Sink(Path(out), os.environ.get(ENV_SERVER, "server"))
-    spin = {_SHM: _reader_spin} if os.environ.get(ENV_READER_SPIN) else {}
     sys.meta_path.insert(
         0,
         AfterImport(
             {
-                **spin,
                 "torch.accelerator": _device_index,
                 "vllm.v1.metrics.stats": _request_stats,
                 "kvguard.vllm.connector": _kvguard_connector,
