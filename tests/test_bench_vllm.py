@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
+from benchmarks.vllm_pd import reader_spin
 from benchmarks.vllm_pd_client import Sent
 from benchmarks.vllm_pd_figures import (
     goals,
@@ -24,6 +25,7 @@ from benchmarks.vllm_pd_figures import (
 from benchmarks.vllm_pd_run import merge_runs
 from benchmarks.vllm_pd_runs import combine, order
 from benchmarks.vllm_shim import IDLE_WAIT
+from kvguard.vllm.reader_spin import ReaderSpinError
 from tests.vllm.checkpoint import BENCH, TINY, kv_bytes_per_token
 from tests.vllm.sessions import session_alive, session_cpu_seconds
 
@@ -191,48 +193,26 @@ def test_the_device_shim_applies_only_in_benchmark_servers(shim: bool, tmp_path:
         assert out == "raised Cannot access accelerator device when none is available."
 
 
-# vLLM's shared-memory queue's SpinCondition as 0.32 constructs it: keywords,
-# busy_loop_s left to its default.
-_FAKE_SHM = """
-class SpinCondition:
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
-        self.args = (is_reader, context, notify_address)
-        self.busy_loop_s = busy_loop_s
-"""
-_SPIN_PROBE = """
-from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-a = SpinCondition(is_reader=True, context="ctx", notify_address="ipc://x")
-b = SpinCondition(False, "ctx", "ipc://y", busy_loop_s=7)
-print(a.args, a.busy_loop_s, b.args, b.busy_loop_s)
-"""
-
-
 @pytest.mark.parametrize(
-    ("spin", "expected"),
+    ("arg", "cpus", "expected"),
     [
-        (None, "(True, 'ctx', 'ipc://x') 1 (False, 'ctx', 'ipc://y') 7"),
-        ("0.002", "(True, 'ctx', 'ipc://x') 0.002 (False, 'ctx', 'ipc://y') 0.002"),
+        ("auto", 2, (0.002, "auto: 2 CPUs, fewer than 8")),
+        ("auto", 7, (0.002, "auto: 7 CPUs, fewer than 8")),
+        ("auto", 8, (None, "auto: vLLM's own, 8 CPUs")),
+        ("vllm", 2, (None, "vLLM's own (--reader-spin-s vllm)")),
+        ("0.01", 64, (0.01, "--reader-spin-s")),
+        ("1", 2, (1.0, "--reader-spin-s")),
     ],
 )
-def test_reader_spin_sets_every_queue_readers_busy_wait_only_when_asked(
-    spin: str | None, expected: str, tmp_path: Path
+def test_the_readers_spin_is_bounded_by_default_only_where_servers_share_cores(
+    arg: str, cpus: int, expected: tuple[float | None, str]
 ) -> None:
-    pkg = tmp_path / "vllm" / "distributed" / "device_communicators"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "shm_broadcast.py").write_text(_FAKE_SHM)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_BENCH_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "benchmarks" / "_site"), str(ROOT), str(tmp_path)]
-    )
-    env["KVGUARD_BENCH_DIR"] = str(tmp_path / "records")
-    if spin is not None:
-        env["KVGUARD_BENCH_READER_SPIN_S"] = spin
-    proc = subprocess.run(
-        [sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, check=True
-    )
-    assert (proc.stdout.strip(), proc.stderr) == (expected, "")
+    assert reader_spin(arg, cpus) == expected
+
+
+def test_a_bad_reader_spin_is_named_before_any_server_starts() -> None:
+    with pytest.raises(ReaderSpinError, match=r"^KVGUARD_VLLM_READER_SPIN_S='2ms' is not a"):
+        reader_spin("2ms", 2)
 
 
 def _sent(start: float, ttft: float, tokens: int, error: str = "") -> Sent:
