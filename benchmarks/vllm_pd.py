@@ -55,7 +55,8 @@ not, so by default (``--reader-spin-s auto``) every server alike, the
 aggregated one included, runs with kvguard's ``KVGUARD_VLLM_READER_SPIN_S``
 at 2 ms there (``kvguard.vllm.reader_spin``, the vLLM plugin a deployment
 that shares cores sets the same way). ``--reader-spin-s vllm`` keeps vLLM's
-own; a number sets it. The run's JSON records what the servers had.
+own; a number sets it. The run's JSON records what the servers were
+asked, and each server's log must say it bounded its readers.
 
 The patches inside the servers (a CPU shim for Mooncake's device lookup and
 the recorders) are ``benchmarks.vllm_shim``'s, never kvguard's. Needs
@@ -79,7 +80,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-__all__ = ["CONNECTORS", "SPIN_OWN_CPUS", "main", "reader_spin"]
+__all__ = ["CONNECTORS", "SPIN_OWN_CPUS", "main", "plugin_missing", "reader_spin"]
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 VLLM_PYTHON: Final = ROOT / ".venv-vllm" / "bin" / "python"
@@ -96,7 +97,9 @@ FULL_REQUESTS: Final = {1: 24, 8: 32, 32: 64}
 # Two servers, each with two readers that spin (its worker's and its engine
 # core's) and two compute threads: below this the pair spins on shared cores.
 SPIN_OWN_CPUS: Final = 8
-SHARED_CPUS_SPIN_S: Final = 0.002  # docs/performance.md: enough for back-to-back steps
+# A reader spins only for a message within this of its last read (steps take
+# longer): an idle server's spin ends after 2 ms instead of 1 s.
+SHARED_CPUS_SPIN_S: Final = 0.002
 
 
 def reader_spin(arg: str, cpus: int) -> tuple[float | None, str]:
@@ -109,10 +112,26 @@ def reader_spin(arg: str, cpus: int) -> tuple[float | None, str]:
     if arg == "vllm":
         return None, "vLLM's own (--reader-spin-s vllm)"
     if arg != "auto":
-        return parse(arg), "--reader-spin-s"
+        return parse(arg, name="--reader-spin-s"), "--reader-spin-s"
     if cpus < SPIN_OWN_CPUS:
         return SHARED_CPUS_SPIN_S, f"auto: {cpus} CPUs, fewer than {SPIN_OWN_CPUS}"
     return None, f"auto: vLLM's own, {cpus} CPUs"
+
+
+def plugin_missing(allowed: str | None) -> str:
+    """Why vLLM here would not load kvguard's reader-spin plugin, or "".
+
+    ``allowed``: vLLM's ``VLLM_PLUGINS`` allow-list (None: every plugin).
+    """
+    from importlib.metadata import entry_points
+
+    from kvguard.vllm.reader_spin import PLUGIN
+
+    if PLUGIN not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        return f"kvguard's vLLM plugin {PLUGIN!r} is not installed here (pip install -e . again)"
+    if allowed is not None and PLUGIN not in allowed.split(","):
+        return f"VLLM_PLUGINS={allowed!r} leaves out kvguard's {PLUGIN!r}"
+    return ""
 
 
 def reexec_in_vllm_env(argv: Sequence[str]) -> None:
@@ -182,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     os.environ.pop(ENV, None)  # the servers inherit this environment
     if spin is not None:
+        if why_not := plugin_missing(os.environ.get("VLLM_PLUGINS")):
+            parser.error(f"the servers' readers cannot spin {spin:g} s: {why_not}")
         os.environ[ENV] = repr(spin)
     print(f"vLLM's queue readers spin {'1 s' if spin is None else f'{spin:g} s'} ({why})")
     concurrencies = [1, 4] if args.quick else [int(c) for c in args.concurrency.split(",")]

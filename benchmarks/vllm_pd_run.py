@@ -57,6 +57,10 @@ def measure_connector(
     result: dict[str, Any] = {"levels": {}}
     try:
         start_all(servers)
+        if spin := os.environ.get(ENV_READER_SPIN):  # the plugin ran in each server
+            unbounded = [s.name for s in servers if "reader_spin_bounded" not in s.log.read_text()]
+            if unbounded:
+                raise RuntimeError(f"{unbounded}: vLLM's readers not bounded to {spin} s")
         log(
             f"   {connector}: servers ready ({', '.join(f'{s.name} pid {s.pid}' for s in servers)})"
         )

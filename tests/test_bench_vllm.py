@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.machine import describe_machine
-from benchmarks.vllm_pd import reader_spin
+from benchmarks.vllm_pd import plugin_missing, reader_spin
 from benchmarks.vllm_pd_client import Sent
 from benchmarks.vllm_pd_figures import (
     goals,
@@ -210,9 +211,37 @@ def test_the_readers_spin_is_bounded_by_default_only_where_servers_share_cores(
     assert reader_spin(arg, cpus) == expected
 
 
-def test_a_bad_reader_spin_is_named_before_any_server_starts() -> None:
-    with pytest.raises(ReaderSpinError, match=r"^KVGUARD_VLLM_READER_SPIN_S='2ms' is not a"):
-        reader_spin("2ms", 2)
+@pytest.mark.parametrize(
+    ("arg", "why"),
+    [("2ms", "is not a number of seconds"), ("-1", "is outside 0 to 60 seconds")],
+)
+def test_a_bad_reader_spin_is_named_as_the_flag_before_any_server_starts(
+    arg: str, why: str
+) -> None:
+    with pytest.raises(ReaderSpinError) as err:
+        reader_spin(arg, 2)
+    assert str(err.value) == f"--reader-spin-s={arg!r} {why}"
+
+
+@pytest.mark.parametrize(
+    ("allowed", "why"),
+    [
+        (None, ""),
+        ("kvguard_reader_spin", ""),
+        ("a,kvguard_reader_spin", ""),
+        ("a,b", "VLLM_PLUGINS='a,b' leaves out kvguard's 'kvguard_reader_spin'"),
+        ("", "VLLM_PLUGINS='' leaves out kvguard's 'kvguard_reader_spin'"),
+    ],
+)
+def test_the_bench_says_when_vllm_would_not_load_the_plugin(allowed: str | None, why: str) -> None:
+    assert plugin_missing(allowed) == why
+
+
+def test_the_bench_says_when_the_plugin_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert plugin_missing(None) == (
+        "kvguard's vLLM plugin 'kvguard_reader_spin' is not installed here (pip install -e . again)"
+    )
 
 
 def _sent(start: float, ttft: float, tokens: int, error: str = "") -> Sent:

@@ -7,6 +7,8 @@ own through vLLM's plugin loader).
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 import types
 from importlib.metadata import entry_points
@@ -16,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvguard.vllm import reader_spin
-from kvguard.vllm.reader_spin import ENV, ReaderSpinError, bound, parse, register
+from kvguard.vllm.reader_spin import ENV, PLUGIN, ReaderSpinError, bound, parse, register
 
 
 class Spin:
@@ -36,6 +38,7 @@ ORIGINAL = Spin.__init__
 def _restore() -> Any:
     yield
     Spin.__init__ = ORIGINAL  # type: ignore[method-assign]
+    reader_spin._ORIGINAL.pop(Spin, None)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +65,8 @@ def test_parse_names_a_bad_value(text: str, why: str) -> None:
         parse(text)
     assert str(err.value) == f"KVGUARD_VLLM_READER_SPIN_S={text!r} {why}"
     assert isinstance(err.value, ValueError)
+    with pytest.raises(ReaderSpinError, match=rf"^--spin={re.escape(repr(text))} {why}$"):
+        parse(text, name="--spin")
 
 
 @pytest.mark.parametrize(
@@ -82,11 +87,30 @@ def test_bound_forces_the_spin_however_the_caller_passes_it(
 
 
 def test_bound_again_replaces_the_first_value_instead_of_wrapping_it() -> None:
+    calls: list[float] = []
+
+    def counting(self: Spin, *args: Any, **kwargs: Any) -> None:
+        ORIGINAL(self, *args, **kwargs)
+        calls.append(self.busy_loop_s)
+
+    Spin.__init__ = functools.wraps(ORIGINAL)(counting)  # type: ignore[method-assign]
     bound(Spin, 0.5)
     bound(Spin, 0.002)
-    assert Spin.__init__.__wrapped__ is ORIGINAL  # type: ignore[attr-defined]
-    assert Spin.__init__._kvguard_reader_spin_s == 0.002
     assert Spin(False, "ctx", "ipc://b").busy_loop_s == 0.002
+    assert calls == [0.002]  # the class's own __init__ ran once, not through two wrappers
+
+
+def test_bound_leaves_a_wrapper_it_did_not_make_in_place() -> None:
+    seen: list[str] = []
+
+    @functools.wraps(ORIGINAL)
+    def traced(self: Spin, *args: Any, **kwargs: Any) -> None:
+        seen.append("traced")
+        ORIGINAL(self, *args, **kwargs)
+
+    Spin.__init__ = traced  # type: ignore[method-assign]
+    bound(Spin, 0.002)
+    assert (Spin(True, "ctx", "ipc://a").busy_loop_s, seen) == (0.002, ["traced"])
 
 
 def test_bound_refuses_a_vllm_whose_readers_take_no_spin() -> None:
@@ -98,11 +122,12 @@ def test_bound_refuses_a_vllm_whose_readers_take_no_spin() -> None:
     with pytest.raises(ReaderSpinError) as err:
         bound(Other, 0.002)
     assert str(err.value) == (
-        "KVGUARD_VLLM_READER_SPIN_S is set but this vLLM's "
-        "test_bound_refuses_a_vllm_whose_readers_take_no_spin.<locals>.Other has no "
-        "'busy_loop_s': unset it"
+        f"KVGUARD_VLLM_READER_SPIN_S is set but {__name__}."
+        "test_bound_refuses_a_vllm_whose_readers_take_no_spin.<locals>.Other takes no "
+        "'busy_loop_s' (vLLM not importable): unset it"
     )
     assert Other.__init__ is before
+    assert Other not in reader_spin._ORIGINAL
 
 
 @pytest.fixture
@@ -114,9 +139,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 
 @pytest.mark.usefixtures("all_levels")
-def test_register_leaves_vllm_alone_without_the_setting(
-    fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+def test_register_leaves_vllm_alone_and_unimported_without_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setitem(sys.modules, reader_spin._MODULE, None)  # an import would raise
     monkeypatch.delenv(ENV, raising=False)
     with capture_logs() as logs:
         register()
@@ -125,7 +151,7 @@ def test_register_leaves_vllm_alone_without_the_setting(
 
 
 @pytest.mark.usefixtures("all_levels")
-def test_register_bounds_every_reader_and_says_so_once(
+def test_register_bounds_every_reader_and_says_so(
     fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV, "0.002")
@@ -135,6 +161,20 @@ def test_register_bounds_every_reader_and_says_so_once(
     assert [(e["event"], e["busy_loop_s"], e["log_level"]) for e in logs] == [
         ("reader_spin_bounded", 0.002, "info")
     ]
+
+
+@pytest.mark.parametrize("module", [None, types.ModuleType("shm_broadcast")])
+def test_register_names_a_vllm_without_the_readers(
+    module: types.ModuleType | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, reader_spin._MODULE, module)
+    monkeypatch.setenv(ENV, "0.002")
+    with pytest.raises(ReaderSpinError) as err:
+        register()
+    assert str(err.value) == (
+        "KVGUARD_VLLM_READER_SPIN_S is set but vllm.distributed.device_communicators."
+        "shm_broadcast.SpinCondition does not exist (vLLM not importable): unset it"
+    )
 
 
 def test_register_raises_on_a_bad_setting_and_leaves_vllm_alone(
@@ -148,7 +188,6 @@ def test_register_raises_on_a_bad_setting_and_leaves_vllm_alone(
 
 def test_vllm_finds_the_plugin_among_its_general_plugins() -> None:
     found = [e for e in entry_points(group="vllm.general_plugins") if e.name.startswith("kvguard")]
-    assert [(e.name, e.value) for e in found] == [
-        ("kvguard_reader_spin", "kvguard.vllm.reader_spin:register")
-    ]
+    assert [(e.name, e.value) for e in found] == [(PLUGIN, "kvguard.vllm.reader_spin:register")]
+    assert PLUGIN == "kvguard_reader_spin"
     assert found[0].load() is register

@@ -42,6 +42,9 @@ The rest is vLLM-free and type-checked with kvguard:
   engine entries), the layout fingerprint, and the refusal of hybrid models.
 * ``decode_legs``: a decode request's load across its legs -- loaded only
   when every leg loaded, failed only once no leg may still write.
+* ``reader_spin``: a vLLM general plugin, not the connector: bounds how long
+  vLLM's queue readers busy-wait where ``KVGUARD_VLLM_READER_SPIN_S`` asks
+  (servers that share cores).
 
 Nothing in the libraries (``lifecycle``, ``transfer``, ``scheduler``) imports
 this package: kvguard runs without vLLM.
