@@ -342,7 +342,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     m = result["machine"]
     fig.suptitle(
         f"vLLM PD on {m['cpus']} CPUs, {result['kv_bytes_per_token'] // 1024} KiB KV/token, "
-        f"prompts {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} tokens",
+        f"prompts {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} tokens, vLLM's queue readers spin "
+        + (f"{float(spin):g} s" if (spin := result.get("reader_spin_s")) else "1 s (vLLM's own)"),
         fontsize=10,
     )
     fig.tight_layout()
