@@ -8,6 +8,7 @@ own through vLLM's plugin loader).
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 import types
@@ -130,6 +131,17 @@ def test_bound_refuses_a_vllm_whose_readers_take_no_spin() -> None:
     assert Other not in reader_spin._ORIGINAL
 
 
+def test_the_refusal_names_the_vllm_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Old:
+        def __init__(self, is_reader: bool) -> None:
+            self.is_reader = is_reader
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.8.5"))
+    with pytest.raises(ReaderSpinError) as err:
+        bound(Old, 0.002)
+    assert str(err.value).endswith("takes no 'busy_loop_s' (vLLM 0.8.5): unset it")
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module = types.ModuleType("shm_broadcast")
@@ -158,8 +170,8 @@ def test_register_bounds_every_reader_and_says_so(
     with capture_logs() as logs:
         register()
     assert Spin(True, "ctx", "ipc://a").busy_loop_s == 0.002
-    assert [(e["event"], e["busy_loop_s"], e["log_level"]) for e in logs] == [
-        ("reader_spin_bounded", 0.002, "info")
+    assert [(e["event"], e["busy_loop_s"], e["pid"], e["log_level"]) for e in logs] == [
+        ("reader_spin_bounded", 0.002, os.getpid(), "info")
     ]
 
 
