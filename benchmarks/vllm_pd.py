@@ -77,8 +77,11 @@ import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Final
+
+from kvguard.vllm.reader_spin import ENV, PLUGIN, ReaderSpinError, parse
 
 __all__ = ["CONNECTORS", "SPIN_OWN_CPUS", "main", "plugin_missing", "reader_spin"]
 
@@ -107,8 +110,6 @@ def reader_spin(arg: str, cpus: int) -> tuple[float | None, str]:
 
     A bad ``arg`` raises ``ReaderSpinError`` naming it.
     """
-    from kvguard.vllm.reader_spin import parse
-
     if arg == "vllm":
         return None, "vLLM's own (--reader-spin-s vllm)"
     if arg != "auto":
@@ -123,10 +124,6 @@ def plugin_missing(allowed: str | None) -> str:
 
     ``allowed``: vLLM's ``VLLM_PLUGINS`` allow-list (None: every plugin).
     """
-    from importlib.metadata import entry_points
-
-    from kvguard.vllm.reader_spin import PLUGIN
-
     if PLUGIN not in {e.name for e in entry_points(group="vllm.general_plugins")}:
         return f"kvguard's vLLM plugin {PLUGIN!r} is not installed here (pip install -e . again)"
     if allowed is not None and PLUGIN not in allowed.split(","):
@@ -193,8 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, not {args.runs}")
     runs = 1 if args.quick else args.runs
-    from kvguard.vllm.reader_spin import ENV, ReaderSpinError
-
     try:
         spin, why = reader_spin(args.reader_spin_s, len(os.sched_getaffinity(0)))
     except ReaderSpinError as exc:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from kvguard.vllm.reader_spin import BOUNDED
 from kvguard.vllm.reader_spin import ENV as ENV_READER_SPIN
 from tests.vllm import checkpoint
 from tests.vllm.servers import Proxy, start_all
@@ -58,7 +59,7 @@ def measure_connector(
     try:
         start_all(servers)
         if spin := os.environ.get(ENV_READER_SPIN):  # the plugin ran in each server
-            unbounded = [s.name for s in servers if "reader_spin_bounded" not in s.log.read_text()]
+            unbounded = [s.name for s in servers if BOUNDED not in s.log.read_text()]
             if unbounded:
                 raise RuntimeError(f"{unbounded}: vLLM's readers not bounded to {spin} s")
         log(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import vllm_pd
 from benchmarks.machine import describe_machine
 from benchmarks.vllm_pd import plugin_missing, reader_spin
 from benchmarks.vllm_pd_client import Sent
@@ -238,7 +238,7 @@ def test_the_bench_says_when_vllm_would_not_load_the_plugin(allowed: str | None,
 
 
 def test_the_bench_says_when_the_plugin_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(vllm_pd, "entry_points", lambda group: [])
     assert plugin_missing(None) == (
         "kvguard's vLLM plugin 'kvguard_reader_spin' is not installed here (pip install -e . again)"
     )

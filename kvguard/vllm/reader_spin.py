@@ -34,10 +34,20 @@ from typing import Any, Final
 
 import structlog
 
-__all__ = ["ENV", "MAX_SPIN_S", "PLUGIN", "ReaderSpinError", "bound", "parse", "register"]
+__all__ = [
+    "BOUNDED",
+    "ENV",
+    "MAX_SPIN_S",
+    "PLUGIN",
+    "ReaderSpinError",
+    "bound",
+    "parse",
+    "register",
+]
 
 ENV: Final = "KVGUARD_VLLM_READER_SPIN_S"
 PLUGIN: Final = "kvguard_reader_spin"  # the entry point's name, as VLLM_PLUGINS lists it
+BOUNDED: Final = "reader_spin_bounded"  # the event each process logs once bound
 MAX_SPIN_S: Final = 60.0  # beyond a minute a typo: vLLM's own is 1 s
 _MODULE: Final = "vllm.distributed.device_communicators.shm_broadcast"
 _CLASS: Final = "SpinCondition"
@@ -98,7 +108,7 @@ def register() -> None:
             f"{ENV} is set but {_MODULE}.{_CLASS} does not exist ({_vllm_version()}): unset it"
         ) from None
     bound(cls, spin)
-    _log.info("reader_spin_bounded", busy_loop_s=spin, pid=os.getpid())
+    _log.info(BOUNDED, busy_loop_s=spin, pid=os.getpid())
 
 
 def _vllm_version() -> str:
